@@ -1,0 +1,698 @@
+"""Drama3Processor: text (+ voice references) -> Drama 3 prompt frame rows, and frames -> audio files.
+
+The prompt follows `reference-bracket-v1` (SPEC 3). Every literal segment is tokenized on its own, without
+special-token insertion, because tokenizing the joined string changes ids at the seams. A prompt is a sequence
+of frame rows of width `1 + num_codebooks`: a text row is `[token_id, 0, ..., 0]`, an audio row is
+`[semantic_start + c0, c0, ..., c9]`.
+
+Caller text (the text to speak, reference transcripts, history turns) can never become a control token other
+than a valid speaker tag `<|speaker:0|>`..`<|speaker:15|>`: such text is refused by a string check and the
+token ids of every caller segment are checked again after tokenization.
+
+Long text is split by `split_text` (SPEC 9) into chunks that each start with their speaker tag; a chunk is
+generated with earlier chunks as `history` turns.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import soundfile
+import torch
+from transformers import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+
+from .voice import Drama3Voice, write_atomically
+
+# Characters with the Unicode White_Space property (str.isspace() also accepts U+001C..U+001F, which would
+# change the empty-text check and the speaker-tag rule).
+WHITE_SPACE = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680"
+    + "".join(chr(code) for code in range(0x2000, 0x200B))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
+_WHITE_SPACE_CLASS = "[" + re.escape(WHITE_SPACE) + "]"
+LINE_BREAKS = ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029")
+
+MAX_SPEAKER_ID = 15
+SPEAKER_TAG = re.compile(r"<\|speaker:(?:1[0-5]|[0-9])\|>")
+DEFAULT_SPEAKER_PREFIX = "<|speaker:0|> "
+STRUCTURAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>")
+SEMANTIC_PREFIX = "<|semantic:"
+SEMANTIC_START_TOKEN = "<|semantic:0|>"
+END_OF_SPEECH_TOKEN = "<|im_end|>"
+
+# Literal segments of reference-bracket-v1 (SPEC 3), in prompt order.
+SYSTEM_START = "<|im_start|>system\n"
+INSTRUCTION = "convert the provided text to speech"
+REFERENCE_INSTRUCTION = "convert the provided text to speech reference to the following:"
+TURN_END = "<|im_end|>\n"
+USER_START = "<|im_start|>user\n"
+VOICE_START = "<|im_start|>assistant\n<|voice|>"
+
+# save_audio: file suffix -> (soundfile format, subtype).
+AUDIO_FILE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+
+
+def _reference_segment(number: int, transcript: str) -> str:
+    return f"\n\n[Reference {number}]\nText: {transcript}\nSpeech: "
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Speaker tags
+# ------------------------------------------------------------------------------------------------------------
+
+
+def tag_text(text: str) -> str:
+    """Put `<|speaker:0|> ` in front of `text` unless a speaker tag leads it (after white space)."""
+    if SPEAKER_TAG.match(text.lstrip(WHITE_SPACE)):
+        return text
+    return DEFAULT_SPEAKER_PREFIX + text
+
+
+def tag_transcript(transcript: str) -> str:
+    """Like `tag_text`, and a leading tag behind white space moves in front of it.
+
+    In a reference the tag must follow `"Text: "` directly: `"  <|speaker:1|>Hi"` becomes `"<|speaker:1|>  Hi"`.
+    """
+    tagged = tag_text(transcript)
+    body = tagged.lstrip(WHITE_SPACE)
+    lead = tagged[: len(tagged) - len(body)]
+    tag = SPEAKER_TAG.match(body)
+    return tag.group(0) + lead + body[tag.end() :]
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Long text (SPEC 9)
+# ------------------------------------------------------------------------------------------------------------
+
+_CLOSERS = "\"'”’)»」』"
+_SENTENCE_END = re.compile(
+    rf"[.!?…‼⁇⁈⁉]+[{re.escape(_CLOSERS)}]*(?={_WHITE_SPACE_CLASS}|$)|[。！？]+[{re.escape(_CLOSERS)}]*"
+)
+_CLAUSE_END = re.compile(rf"[,;:—–]+(?={_WHITE_SPACE_CLASS}|$)|[，、；：]+")
+_WHITE_SPACE_RUN = re.compile(rf"{_WHITE_SPACE_CLASS}+")
+# Spans a cut must not fall inside: control-like tags, [cues], paired tags <x ...>...</x>, lone <tags>.
+_SPEAKER_TAG_LIKE = re.compile(r"<\|.*?\|>", re.DOTALL)
+_BRACKET_CUE = re.compile(r"\[[^\[\]]*\]")
+_PAIRED_TAG = re.compile(r"<([A-Za-z][\w:-]*)(?:\s[^<>]*)?>.*?</\1\s*>", re.DOTALL)
+_LONE_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _utf8_offsets(text: str) -> list[int]:
+    """`offsets[i]` = UTF-8 byte length of `text[:i]`."""
+    return [0, *itertools.accumulate(len(char.encode("utf-8")) for char in text)]
+
+
+def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], bool]:
+    """A test `inside(position)`: does a cut at `position` fall strictly inside a span matched by `patterns`?"""
+    spans = sorted(match.span() for pattern in patterns for match in pattern.finditer(text))
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [start for start, _ in merged]
+
+    def inside(position: int) -> bool:
+        index = bisect.bisect_left(starts, position) - 1
+        return index >= 0 and position < merged[index][1]
+
+    return inside
+
+
+def _cut_candidates(text: str) -> list[list[int]]:
+    """Sorted allowed cut positions in `text`, best kind first: after sentence ends, after clause marks, at spaces."""
+    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    levels = [
+        [match.end() for match in _SENTENCE_END.finditer(text)],
+        [match.end() for match in _CLAUSE_END.finditer(text)],
+        [match.start() for match in _WHITE_SPACE_RUN.finditer(text)],
+    ]
+    return [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
+
+
+def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int | None:
+    """The cut after `start` whose piece fits `max_bytes`, preferring better kinds, then longer pieces.
+
+    If no piece fits: the nearest cut of any kind (an oversize piece); None if there is no cut at all.
+    """
+    limit = bisect.bisect_right(offsets, offsets[start] + max_bytes) - 1  # last position that fits
+    for level in levels:
+        index = bisect.bisect_right(level, limit) - 1
+        if index >= 0 and level[index] > start:
+            return level[index]
+    later = [level[i] for level in levels if (i := bisect.bisect_right(level, start)) < len(level)]
+    return min(later) if later else None
+
+
+def _split_turn(body: str, max_bytes: int) -> list[str]:
+    """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes where possible.
+
+    No cut candidate has white space right before it, so a piece's size is a difference of byte offsets.
+    """
+    body = body.strip(WHITE_SPACE)
+    offsets = _utf8_offsets(body)
+    levels = _cut_candidates(body)
+    pieces, start = [], 0
+    while offsets[-1] - offsets[start] > max_bytes:
+        cut = _best_cut(levels, offsets, start, max_bytes)
+        if cut is None:
+            break
+        pieces.append(body[start:cut])
+        start = len(body) - len(body[cut:].lstrip(WHITE_SPACE))
+    return pieces + [body[start:]]
+
+
+def _speaker_turns(text: str) -> list[tuple[str, str]]:
+    """`(tag, body)` for every speaker turn of tagged text; tags inside cues or paired tags do not start turns."""
+    inside = _protected(text, (_BRACKET_CUE, _PAIRED_TAG))
+    starts = [match for match in SPEAKER_TAG.finditer(text) if not inside(match.start())]
+    turns = []
+    for index, match in enumerate(starts):
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
+        body = text[match.end() : end].strip(WHITE_SPACE)
+        if body:
+            turns.append((match.group(0), body))
+    return turns
+
+
+def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
+    """Split long text into chunks for generation one after another (SPEC 9).
+
+    Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
+    speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence
+    ends, else after clause marks, else at spaces; never inside `<|...|>`, `[cues]` or `<tag>...</tag>` spans. A
+    single unbreakable span longer than `max_bytes` becomes a chunk of its own, over the limit.
+
+    This function only splits; `Drama3Processor.split_text` also refuses unsafe text.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string; got {type(text).__name__}")
+    if not isinstance(max_bytes, int) or max_bytes < 32:
+        raise ValueError(f"max_bytes must be an integer >= 32; got {max_bytes!r}")
+    if not isinstance(max_speakers, int) or max_speakers < 1:
+        raise ValueError(f"max_speakers must be a positive integer; got {max_speakers!r}")
+    for line_break in LINE_BREAKS:
+        text = text.replace(line_break, " ")
+    turns = _speaker_turns(tag_text(text).lstrip(WHITE_SPACE))
+    if not turns:
+        raise ValueError(f"text has nothing to speak besides speaker tags: {text!r}")
+    pieces = [f"{tag} {piece}" for tag, body in turns for piece in _split_turn(body, max_bytes - len(tag) - 1)]
+    chunks: list[list[str]] = []
+    for piece in pieces:
+        current = chunks[-1] if chunks else None
+        if current is not None and _fits(current + [piece], max_bytes, max_speakers):
+            current.append(piece)
+        else:
+            chunks.append([piece])
+    return [" ".join(chunk) for chunk in chunks]
+
+
+def _fits(pieces: list[str], max_bytes: int, max_speakers: int) -> bool:
+    speakers = {SPEAKER_TAG.match(piece).group(0) for piece in pieces}
+    return len(speakers) <= max_speakers and _utf8_length(" ".join(pieces)) <= max_bytes
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Processor
+# ------------------------------------------------------------------------------------------------------------
+
+
+class Drama3Processor(ProcessorMixin):
+    r"""Builds Drama 3 prompts (`reference-bracket-v1`) and turns generated frames into audio files.
+
+    Args:
+        tokenizer: the checkpoint's fast tokenizer; the semantic band, `<|im_end|>` and the speaker tags are read
+            from it, so the processor works without the model config.
+        num_codebooks: codec codes per frame (10 for Drama 3); frame rows are `1 + num_codebooks` wide.
+        sampling_rate: sample rate of the codec's audio (44100), the default of `save_audio`.
+        frame_length: audio samples per codec frame (2048); used for the reference length limit.
+        max_reference_seconds: longest accepted reference (60 s, the serving limit); 10-30 s works best.
+
+    Call it as `processor(text, references=None, history=None, codec=None, return_tensors="pt")`.
+    """
+
+    def __init__(
+        self,
+        tokenizer,
+        num_codebooks: int = 10,
+        sampling_rate: int = 44100,
+        frame_length: int = 2048,
+        max_reference_seconds: float = 60.0,
+    ):
+        super().__init__(tokenizer)
+        self.num_codebooks = num_codebooks
+        self.sampling_rate = sampling_rate
+        self.frame_length = frame_length
+        self.max_reference_seconds = max_reference_seconds
+        self._read_token_ids()
+
+    def _read_token_ids(self) -> None:
+        """Find the semantic band, end of speech and speaker tags in the tokenizer, and the ids to refuse."""
+        vocab = self.tokenizer.get_vocab()
+
+        def token_id(token: str) -> int:
+            if token not in vocab:
+                raise ValueError(f"the tokenizer has no {token} token: it is not a Drama 3 tokenizer")
+            return vocab[token]
+
+        self.semantic_start_id = token_id(SEMANTIC_START_TOKEN)
+        count = 1
+        while vocab.get(f"<|semantic:{count}|>") == self.semantic_start_id + count:
+            count += 1
+        self.semantic_vocab_size = count
+        self.eos_token_id = token_id(END_OF_SPEECH_TOKEN)
+        self.speaker_token_ids = {token_id(f"<|speaker:{n}|>") for n in range(MAX_SPEAKER_ID + 1)}
+        special = {i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
+        self._refused_ids = (special | set(self.tokenizer.all_special_ids)) - self.speaker_token_ids
+        # Special tokens outside the semantic band: refused as strings too (the band is refused by its prefix).
+        self._refused_strings = sorted(
+            self.tokenizer.convert_ids_to_tokens(i)
+            for i in self._refused_ids
+            if not self.semantic_start_id <= i < self.semantic_start_id + count
+        )
+
+    @property
+    def row_width(self) -> int:
+        return 1 + self.num_codebooks
+
+    # -- safe text -------------------------------------------------------------------------------------------
+
+    def check_text(self, text: str, where: str = "text") -> None:
+        """Raise unless `text` is non-empty caller text with no control token other than valid speaker tags."""
+        if not isinstance(text, str):
+            raise TypeError(f"{where} must be a string; got {type(text).__name__}")
+        if not text.strip(WHITE_SPACE):
+            raise ValueError(f"{where} is empty or only white space: {text!r}")
+        for marker in (*STRUCTURAL_TOKENS, SEMANTIC_PREFIX, *self._refused_strings):
+            position = text.find(marker)
+            if position >= 0:
+                raise ValueError(
+                    f"{where} contains the control token {_excerpt(text, position)!r} (at character {position}); "
+                    f"control tokens are written by the processor and are not allowed in caller text"
+                )
+        for match in re.finditer(r"<\|speaker", text):
+            if not SPEAKER_TAG.match(text, match.start()):
+                raise ValueError(
+                    f"{where} contains the invalid speaker tag {_excerpt(text, match.start())!r}; write "
+                    f"<|speaker:N|> with N in 0..{MAX_SPEAKER_ID} and no leading zero"
+                )
+
+    def _caller_rows(self, segment: str, where: str) -> torch.Tensor:
+        """Text rows of a segment holding caller text; refused if any of its ids is a control token."""
+        ids = self.tokenizer.encode(segment, add_special_tokens=False)
+        refused = [i for i in ids if i in self._refused_ids]
+        if refused:
+            token = self.tokenizer.convert_ids_to_tokens(refused[0])
+            raise ValueError(f"{where} tokenizes to the control token {token!r}, which caller text must not produce")
+        return self._text_rows(ids)
+
+    # -- rows ------------------------------------------------------------------------------------------------
+
+    def _text_rows(self, ids: list[int]) -> torch.Tensor:
+        rows = torch.zeros(len(ids), self.row_width, dtype=torch.long)  # [n, 1 + K]
+        rows[:, 0] = torch.tensor(ids, dtype=torch.long)
+        return rows
+
+    def _literal_rows(self, segment: str) -> torch.Tensor:
+        return self._text_rows(self.tokenizer.encode(segment, add_special_tokens=False))
+
+    def _audio_rows(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [K, frames] -> rows [frames, 1 + K] = [semantic_start + c0, c0..c9]."""
+        return torch.cat([codes[:1] + self.semantic_start_id, codes]).T
+
+    def build_prompt_rows(
+        self,
+        text: str,
+        references: Any = None,
+        history: Sequence | None = None,
+        codec: Any = None,
+    ) -> torch.Tensor:
+        """Prompt rows `[T, 1 + num_codebooks]` of one request (see `__call__` for the arguments)."""
+        return self._prompt_rows(text, self._as_list(references), list(history or ()), codec, index=None)
+
+    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
+        """Rows `[T, 1 + K]` of one request; `index` is its place in a batch (None for a single text)."""
+        at = "" if index is None else f"[{index}]"
+        self.check_text(text, f"text{at}")
+        parts = [self._resolve_reference(ref, codec, f"references{at}[{n}]") for n, ref in enumerate(references)]
+        turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
+        instruction = REFERENCE_INSTRUCTION if parts else INSTRUCTION
+        rows = [self._literal_rows(SYSTEM_START), self._literal_rows(instruction)]
+        for n, (transcript, codes) in enumerate(parts):
+            segment = _reference_segment(n + 1, tag_transcript(transcript))
+            rows += [self._caller_rows(segment, f"references{at}[{n}].transcript"), self._audio_rows(codes)]
+        rows.append(self._literal_rows(TURN_END))
+        for n, (turn_text, codes) in enumerate(turns):
+            rows += [self._literal_rows(USER_START), self._caller_rows(tag_text(turn_text), f"history{at}[{n}] text")]
+            rows += [self._literal_rows(TURN_END), self._literal_rows(VOICE_START), self._audio_rows(codes)]
+            rows.append(self._literal_rows(TURN_END))
+        rows += [self._literal_rows(USER_START), self._caller_rows(tag_text(text), f"text{at}")]
+        rows += [self._literal_rows(TURN_END), self._literal_rows(VOICE_START)]
+        return torch.cat(rows)  # [T, 1 + K]
+
+    def __call__(
+        self,
+        text: str | Sequence[str],
+        references: Any = None,
+        history: Sequence | None = None,
+        codec: Any = None,
+        return_tensors: str = "pt",
+    ) -> BatchFeature:
+        r"""Build left-padded prompt rows for one text or a batch of texts.
+
+        Args:
+            text: the text to speak (`str`) or a batch (list of `str`). A text without a leading speaker tag gets
+                `<|speaker:0|> ` in front.
+            references: voice references. For one text: a reference or a list of them; for a batch: a list with
+                one entry (a reference, a list of them, or None) per text. A reference is a `Drama3Voice`, or a
+                dict with `"transcript"` and either `"codes"` (int `[10, frames]`) or `"audio"` (a file path, or a
+                float array `[samples]` / `[channels, samples]` with `"sampling_rate"`).
+            history: earlier turns, each `(text, codes [10, frames])`, a dict with `"text"` and `"codes"`, or a
+                `Drama3Voice`; inserted after the system turn (SPEC 9). For a batch: one list per text.
+            codec: the model's codec (`model.codec`), needed only for references given as audio.
+            return_tensors: `"pt"` or `"np"`.
+
+        Returns:
+            `BatchFeature` with `input_ids` `[B, T, 1 + num_codebooks]` and `attention_mask` `[B, T]`; shorter
+            prompts are left-padded with all-zero rows (mask 0).
+        """
+        if return_tensors not in ("pt", "np"):
+            raise ValueError(f"return_tensors must be 'pt' or 'np'; got {return_tensors!r}")
+        texts = self._as_batch(text)
+        batch_references = self._per_text(references, text, "references", self._as_list)
+        batch_history = self._per_text(history, text, "history", lambda turns: list(turns or ()))
+        single = isinstance(text, str)
+        prompts = [
+            self._prompt_rows(item, refs, turns, codec, index=None if single else index)
+            for index, (item, refs, turns) in enumerate(zip(texts, batch_references, batch_history))
+        ]
+        input_ids, attention_mask = self._left_pad(prompts)
+        return BatchFeature({"input_ids": input_ids, "attention_mask": attention_mask}, tensor_type=return_tensors)
+
+    @staticmethod
+    def _as_batch(text: Any) -> list[str]:
+        if isinstance(text, str):
+            return [text]
+        if not isinstance(text, (list, tuple)):
+            raise TypeError(f"text must be a string or a list of strings; got {type(text).__name__}")
+        if not text:
+            raise ValueError("text is an empty batch: give at least one string")
+        for index, item in enumerate(text):
+            if not isinstance(item, str):
+                raise TypeError(f"text[{index}] must be a string; got {type(item).__name__}")
+        return list(text)
+
+    @staticmethod
+    def _as_list(references: Any) -> list:
+        """One text's references as a list (None -> [], a single reference -> [it])."""
+        if references is None:
+            return []
+        if isinstance(references, (Mapping, Drama3Voice)):
+            return [references]
+        if isinstance(references, (list, tuple)):
+            return list(references)
+        raise TypeError(
+            f"references must be a Drama3Voice, a dict or a list of them; got {type(references).__name__}"
+        )
+
+    @staticmethod
+    def _per_text(value: Any, text: Any, name: str, as_list) -> list[list]:
+        """Spread `references` / `history` over the batch: one entry per text."""
+        if isinstance(text, str):
+            return [as_list(value)]
+        if value is None:
+            return [[] for _ in text]
+        if not isinstance(value, (list, tuple)) or len(value) != len(text):
+            raise ValueError(f"for a batch of {len(text)} texts, {name} must be a list with one entry per text")
+        return [as_list(entry) for entry in value]
+
+    def _left_pad(self, prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Stack rows `[T_i, 1 + K]` into `[B, T, 1 + K]` with all-zero pad rows on the left, and the mask `[B, T]`."""
+        length = max(rows.shape[0] for rows in prompts)
+        input_ids = torch.zeros(len(prompts), length, self.row_width, dtype=torch.long)
+        attention_mask = torch.zeros(len(prompts), length, dtype=torch.long)
+        for index, rows in enumerate(prompts):
+            input_ids[index, length - rows.shape[0] :] = rows
+            attention_mask[index, length - rows.shape[0] :] = 1
+        return input_ids, attention_mask
+
+    # -- references and history ------------------------------------------------------------------------------
+
+    def _resolve_reference(self, reference: Any, codec: Any, where: str) -> tuple[str, torch.Tensor]:
+        """A reference as `(transcript, codes [K, frames])`, encoding audio through the codec when needed."""
+        if isinstance(reference, Drama3Voice):
+            self.check_text(reference.transcript, f"{where}.transcript")
+            return reference.transcript, self.check_codes(reference.codes, f"{where}.codes", reference=True)
+        if not isinstance(reference, Mapping):
+            raise TypeError(
+                f"{where} must be a Drama3Voice or a dict with 'transcript' and 'codes' or 'audio'; "
+                f"got {type(reference).__name__}"
+            )
+        unknown = set(reference) - {"transcript", "codes", "audio", "sampling_rate"}
+        if unknown:
+            raise ValueError(
+                f"{where} has unknown keys {sorted(unknown)}; use 'transcript', 'codes', 'audio', 'sampling_rate'"
+            )
+        if "transcript" not in reference:
+            raise ValueError(f"{where} has no 'transcript': give the text spoken in the reference audio")
+        self.check_text(reference["transcript"], f"{where}.transcript")
+        has_codes, has_audio = reference.get("codes") is not None, reference.get("audio") is not None
+        if has_codes and has_audio:
+            raise ValueError(f"{where} has both 'codes' and 'audio'; give one of them")
+        if has_codes:
+            return reference["transcript"], self.check_codes(reference["codes"], f"{where}.codes", reference=True)
+        if has_audio:
+            codes = self.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
+            return reference["transcript"], codes
+        raise ValueError(
+            f"{where} has a transcript but no 'audio' or 'codes': give the reference audio (a file path, or an array "
+            f"with 'sampling_rate'), its codes [{self.num_codebooks}, frames], or use a saved Drama3Voice"
+        )
+
+    def _resolve_history_turn(self, turn: Any, where: str) -> tuple[str, torch.Tensor]:
+        """A history turn as `(text, codes [K, frames])`."""
+        if isinstance(turn, Drama3Voice):
+            text, codes = turn.transcript, turn.codes
+        elif isinstance(turn, Mapping) and set(turn) == {"text", "codes"}:
+            text, codes = turn["text"], turn["codes"]
+        elif isinstance(turn, (list, tuple)) and len(turn) == 2:
+            text, codes = turn
+        else:
+            raise TypeError(f"{where} must be (text, codes), a dict with 'text' and 'codes', or a Drama3Voice")
+        self.check_text(text, f"{where} text")
+        return text, self.check_codes(codes, f"{where} codes")
+
+    def check_codes(self, codes: Any, where: str = "codes", reference: bool = False) -> torch.Tensor:
+        """Validate codec codes `[num_codebooks, frames]` and return them as a CPU int64 tensor.
+
+        Ids must lie in `[0, semantic_vocab_size)`; a reference must also be at most `max_reference_seconds` long.
+        """
+        codes = torch.as_tensor(codes)
+        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            raise ValueError(f"{where} must hold integer ids; got {codes.dtype}")
+        if codes.ndim != 2 or codes.shape[0] != self.num_codebooks or codes.shape[1] == 0:
+            transposed = codes.ndim == 2 and codes.shape[1] == self.num_codebooks
+            raise ValueError(
+                f"{where} must have shape [{self.num_codebooks}, frames] with at least one frame; "
+                f"got {tuple(codes.shape)}" + (" (transposed? codes are [codebooks, frames])" if transposed else "")
+            )
+        low, high = int(codes.min()), int(codes.max())
+        if low < 0 or high >= self.semantic_vocab_size:
+            raise ValueError(f"{where} has ids out of range [0, {self.semantic_vocab_size}): min {low}, max {high}")
+        # Encoding pads audio to whole frames: allow the frames of a reference of the maximum length.
+        max_frames = math.ceil(self.max_reference_seconds * self.sampling_rate / self.frame_length)
+        if reference and codes.shape[1] > max_frames:
+            seconds = codes.shape[1] * self.frame_length / self.sampling_rate
+            raise ValueError(
+                f"{where} has {codes.shape[1]} frames ({seconds:.1f} s); references may be at most "
+                f"{self.max_reference_seconds:g} s ({max_frames} frames): trim it"
+            )
+        return codes.to(device="cpu", dtype=torch.long)
+
+    def _check_duration(self, samples: int, sampling_rate: int, where: str) -> None:
+        """Refuse a reference longer than `max_reference_seconds`."""
+        seconds = samples / sampling_rate
+        if seconds > self.max_reference_seconds:
+            raise ValueError(
+                f"{where} is {seconds:.1f} s long; references may be at most {self.max_reference_seconds:g} s "
+                f"(10-30 s works best): trim it"
+            )
+
+    # -- audio in --------------------------------------------------------------------------------------------
+
+    def encode_audio(
+        self, audio: Any, sampling_rate: int | None = None, codec: Any = None, where: str = "audio"
+    ) -> torch.Tensor:
+        """Reference audio -> codes `[num_codebooks, frames]` through `codec.encode`.
+
+        `audio` is a file path (read with soundfile) or a float array / tensor `[samples]` or `[channels, samples]`
+        with `sampling_rate`. Channels are averaged to mono here; the codec resamples to 44.1 kHz and clamps.
+        """
+        if codec is None:
+            raise ValueError(
+                f"{where}: turning reference audio into codes needs the codec: pass codec=model.codec, or give "
+                f"precomputed 'codes' or a saved Drama3Voice instead of audio"
+            )
+        samples, sampling_rate = self._mono_audio(audio, sampling_rate, where)  # [L]
+        with torch.inference_mode():
+            codes = codec.encode(torch.from_numpy(samples)[None], sampling_rate)  # [1, K, frames]
+        if not isinstance(codes, torch.Tensor) or codes.ndim != 3 or codes.shape[0] != 1:
+            raise RuntimeError(f"codec.encode must return codes [1, {self.num_codebooks}, frames]; got {codes!r:.80}")
+        return self.check_codes(codes[0].cpu(), f"{where} (encoded)")
+
+    def _mono_audio(self, audio: Any, sampling_rate: int | None, where: str) -> tuple[np.ndarray, int]:
+        """Float32 mono samples `[L]` and their rate, refusing audio over `max_reference_seconds`."""
+        if isinstance(audio, (str, os.PathLike)):
+            return self._read_audio_file(audio, sampling_rate, where)
+        if sampling_rate is None:
+            raise ValueError(f"{where}: an audio array needs its 'sampling_rate'")
+        sampling_rate = _check_sampling_rate(sampling_rate, where)
+        samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+        if not np.issubdtype(samples.dtype, np.floating):
+            raise ValueError(f"{where}: audio must be a float array with values in [-1, 1]; got dtype {samples.dtype}")
+        if samples.ndim == 2 and samples.shape[0] >= samples.shape[1]:
+            raise ValueError(
+                f"{where}: audio of shape {samples.shape} must be [channels, samples] (transpose [samples, channels])"
+            )
+        if samples.ndim not in (1, 2) or samples.shape[-1] == 0:
+            raise ValueError(
+                f"{where}: audio must be [samples] or [channels, samples] and not empty; got {samples.shape}"
+            )
+        self._check_duration(samples.shape[-1], sampling_rate, where)
+        if not np.isfinite(samples).all():
+            raise ValueError(f"{where}: audio contains NaN or infinite values")
+        mono = samples if samples.ndim == 1 else samples.mean(axis=0)
+        return np.ascontiguousarray(mono, dtype=np.float32), sampling_rate
+
+    def _read_audio_file(
+        self, path: str | os.PathLike, sampling_rate: int | None, where: str
+    ) -> tuple[np.ndarray, int]:
+        """Read an audio file as float32 mono `[L]`; its length is checked before the samples are read."""
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{where}: audio file {str(path)!r} does not exist")
+        try:
+            info = soundfile.info(str(path))
+        except soundfile.LibsndfileError as error:
+            raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
+        if sampling_rate is not None and sampling_rate != info.samplerate:
+            raise ValueError(
+                f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; leave it out"
+            )
+        self._check_duration(info.frames, info.samplerate, where)
+        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)  # [L, C]
+        if samples.shape[0] == 0:
+            raise ValueError(f"{where}: audio file {str(path)!r} holds no samples")
+        return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate
+
+    def create_voice(
+        self,
+        transcript: str,
+        audio: Any,
+        sampling_rate: int | None = None,
+        codec: Any = None,
+        name: str | None = None,
+    ) -> Drama3Voice:
+        """Encode reference audio once into a reusable `Drama3Voice` (save it with `voice.save(path)`)."""
+        self.check_text(transcript, "transcript")
+        codes = self.encode_audio(audio, sampling_rate, codec)
+        return Drama3Voice(codes=codes, transcript=transcript, name=name)
+
+    # -- long text -------------------------------------------------------------------------------------------
+
+    def split_text(self, text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
+        """Check `text` like any caller text, then split it into chunks (see the module function `split_text`)."""
+        self.check_text(text)
+        return split_text(text, max_bytes=max_bytes, max_speakers=max_speakers)
+
+    # -- audio out -------------------------------------------------------------------------------------------
+
+    def frames_to_codes(self, frames: Any) -> torch.Tensor:
+        """Frames `[T, 1 + K]` -> codes `[K, n]` of the audio rows (text and padding rows are dropped)."""
+        frames = torch.as_tensor(frames)
+        if frames.ndim == 3 and frames.shape[0] == 1:
+            frames = frames[0]
+        if frames.ndim != 2 or frames.shape[1] != self.row_width:
+            raise ValueError(
+                f"frames must have shape [T, {self.row_width}] (use batch_decode for [B, T, {self.row_width}]); "
+                f"got {tuple(frames.shape)}"
+            )
+        main = frames[:, 0]
+        audio_rows = (main >= self.semantic_start_id) & (main < self.semantic_start_id + self.semantic_vocab_size)
+        return frames[audio_rows, 1:].T.to(device="cpu", dtype=torch.long)  # [K, n]
+
+    def decode(self, frames: Any, codec: Any = None) -> torch.Tensor:
+        """Generated frames `[T, 1 + K]` -> float32 audio `[n * frame_length]` through `codec.decode` (CPU)."""
+        if codec is None:
+            raise ValueError("decoding frames to audio needs the codec: processor.decode(frames, codec=model.codec)")
+        codes = self.frames_to_codes(frames)  # [K, n]
+        if codes.shape[1] == 0:
+            return torch.zeros(0, dtype=torch.float32)
+        with torch.inference_mode():
+            audio = codec.decode(codes[None])  # [1, n * frame_length]
+        return audio[0].reshape(-1).to(device="cpu", dtype=torch.float32)
+
+    def batch_decode(self, frames: Any, codec: Any = None) -> list[torch.Tensor]:
+        """A batch of frames `[B, T, 1 + K]` (or a list of `[T_i, 1 + K]`) -> one audio tensor per sequence."""
+        if isinstance(frames, torch.Tensor) and frames.ndim != 3:
+            raise ValueError(f"batch_decode takes frames [B, T, {self.row_width}]; got {tuple(frames.shape)}")
+        return [self.decode(sequence, codec) for sequence in frames]
+
+    def save_audio(self, audio: Any, path: str | os.PathLike, sampling_rate: int | None = None) -> Path:
+        """Write float audio `[samples]` or `[channels, samples]` to `path`, atomically.
+
+        The format follows the suffix: `.wav` (16-bit PCM), `.flac` (16-bit), `.ogg` (Vorbis). Samples are clipped
+        to [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
+        """
+        file_format, subtype = _audio_file_format(path)
+        rate = _check_sampling_rate(self.sampling_rate if sampling_rate is None else sampling_rate, "save_audio")
+        if isinstance(audio, torch.Tensor):
+            audio = audio.detach().to(device="cpu", dtype=torch.float32).numpy()
+        samples = np.asarray(audio, dtype=np.float32)
+        if samples.ndim == 2:
+            samples = samples.T  # soundfile wants [samples, channels]
+        elif samples.ndim != 1:
+            raise ValueError(f"audio must be [samples] or [channels, samples]; got shape {samples.shape}")
+        if not np.isfinite(samples).all():
+            raise ValueError("audio contains NaN or infinite values")
+        samples = np.clip(samples, -1.0, 1.0)
+        return write_atomically(
+            path, lambda file: soundfile.write(file, samples, rate, format=file_format, subtype=subtype)
+        )
+
+
+def _audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
+    suffix = Path(path).suffix.lower()
+    if suffix not in AUDIO_FILE_FORMATS:
+        raise ValueError(f"cannot tell the audio format of {str(path)!r}: use one of {sorted(AUDIO_FILE_FORMATS)}")
+    file_format, subtype = AUDIO_FILE_FORMATS[suffix]
+    if not soundfile.check_format(file_format, subtype):
+        raise ValueError(f"this soundfile/libsndfile build cannot write {file_format} ({subtype}); use .wav")
+    return file_format, subtype
+
+
+def _check_sampling_rate(sampling_rate: Any, where: str) -> int:
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
+        raise ValueError(f"{where}: sampling_rate must be a positive integer; got {sampling_rate!r}")
+    return int(sampling_rate)
+
+
+def _excerpt(text: str, start: int) -> str:
+    """The part of `text` from `start` to the end of the `<|...|>` there (at most 40 characters)."""
+    end = text.find("|>", start)
+    end = end + 2 if 0 <= end < start + 38 else start + 40
+    return text[start:end]

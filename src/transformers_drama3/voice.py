@@ -1,0 +1,105 @@
+"""Saved voices and atomic file writes.
+
+A `Drama3Voice` is a voice reference that has already been through the codec encoder: its codes `[10, frames]`
+plus the transcript of what is said in it. Saving it once means later requests reuse the voice without loading
+the codec encoder or re-reading the audio. The file is a safetensors file holding one `codes` tensor, with the
+transcript and an optional name in its metadata.
+
+`write_atomically` is shared with `Drama3Processor.save_audio`: files are written to a temporary file in the
+target directory and renamed over the target, so an error never leaves a half-written file behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Callable
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as save_safetensors_bytes
+
+VOICE_FORMAT = "drama3-voice"
+VOICE_FORMAT_VERSION = "1"
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
+    """Call `write(file)` on a temporary file next to `path`, then rename it to `path`.
+
+    The rename is atomic on one file system: readers see either the old file or the complete new one. If `write`
+    raises, the temporary file is removed, an existing file at `path` is left untouched, and the error propagates.
+    """
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot write to {str(path)!r}: it is a directory; give a file name")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot write {str(path)!r}: the directory {str(path.parent)!r} does not exist")
+    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    try:
+        with open(temporary, "xb") as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass
+class Drama3Voice:
+    """A reusable voice: codec codes `[num_codebooks, frames]` and the transcript spoken in them.
+
+    Pass it anywhere a reference is accepted (`processor(text, references=[voice])`). Make one from audio with
+    `Drama3Processor.create_voice`, store it with `save`, read it back with `Drama3Voice.load`.
+    """
+
+    codes: torch.Tensor  # [num_codebooks, frames] int64
+    transcript: str
+    name: str | None = None
+
+    def __post_init__(self):
+        codes = torch.as_tensor(self.codes)
+        if codes.ndim != 2 or codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+            raise ValueError(
+                f"Drama3Voice.codes must be an integer tensor [num_codebooks, frames]; "
+                f"got {codes.dtype} {tuple(codes.shape)}"
+            )
+        if not isinstance(self.transcript, str):
+            raise TypeError(f"Drama3Voice.transcript must be a string; got {type(self.transcript).__name__}")
+        if self.name is not None and not isinstance(self.name, str):
+            raise TypeError(f"Drama3Voice.name must be a string or None; got {type(self.name).__name__}")
+        self.codes = codes.to(device="cpu", dtype=torch.long).contiguous()
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the voice to a safetensors file (atomically) and return its path."""
+        metadata = {"format": VOICE_FORMAT, "version": VOICE_FORMAT_VERSION, "transcript": self.transcript}
+        if self.name is not None:
+            metadata["name"] = self.name
+        data = save_safetensors_bytes({"codes": self.codes}, metadata=metadata)
+        return write_atomically(path, lambda file: file.write(data))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Drama3Voice:
+        """Read a voice written by `save`; raises ValueError if the file is not a Drama 3 voice file."""
+        try:
+            with safe_open(str(path), framework="pt") as file:
+                metadata = file.metadata() or {}
+                names = set(file.keys())
+                codes = file.get_tensor("codes") if names == {"codes"} else None
+        except SafetensorError as error:
+            raise ValueError(f"{str(path)!r} is not a Drama 3 voice file (not safetensors: {error})") from error
+        if metadata.get("format") != VOICE_FORMAT or codes is None or "transcript" not in metadata:
+            raise ValueError(
+                f"{str(path)!r} is not a Drama 3 voice file: expected format {VOICE_FORMAT!r}, one `codes` tensor "
+                f"and a transcript in the metadata"
+            )
+        if metadata.get("version") != VOICE_FORMAT_VERSION:
+            raise ValueError(
+                f"{str(path)!r} is a voice file of version {metadata.get('version')!r}; this package reads "
+                f"version {VOICE_FORMAT_VERSION!r}"
+            )
+        return cls(codes=codes, transcript=metadata["transcript"], name=metadata.get("name"))

@@ -1,0 +1,886 @@
+"""The Fish "modified DAC" codec of Drama 3 (SPEC section 8): 44.1 kHz mono audio <-> 10 codes per frame.
+
+`FishDACCodec` holds the three parts, every size read from `FishDACConfig`:
+
+- `FishDACEncoder`: audio -> latents (causal convs, Snake, one windowed transformer), one step per `hop_length`.
+- `FishDACQuantizer`: latents -> codes and codes -> latents (down/upsampling, the `pre_module`/`post_module`
+  windowed transformers, one semantic and `n_codebooks` residual vector quantizers).
+- `FishDACDecoder`: latents -> audio (causal convs, causal transposed convs, Snake, tanh).
+
+Every block is causal, so decoding can be streamed: `FishDACCodec.stream()` returns a
+`FishDACStreamingDecoder` whose modules carry bounded state (the last inputs of each conv, the transformer keys
+and values inside the attention window, the absolute frame position). Every stateful `forward` takes an
+optional `state` dict for this; `None` means a one-shot call over the whole sequence.
+
+Weights come from the original `codec.pth` (`load_codec_state_dict`, then `FishDACCodec.load_original_state_dict`),
+which folds weight norm and the VQ output projections once; the folded codec saves and loads with the usual
+`state_dict()` / `load_state_dict()`.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .configuration_drama3 import FishDACConfig
+
+# A stream state maps each stateful module to what it carries between chunks (tensors or a position).
+StreamState = dict[nn.Module, Any]
+
+
+class FishDACLoadError(ValueError):
+    """A `codec.pth` file or state dict cannot be used: unreadable, not tensors only, or keys/shapes that differ."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Convolutions and activations
+# --------------------------------------------------------------------------------------------------------------
+
+
+class Snake(nn.Module):
+    """`y = x + sin(alpha * x)^2 / alpha`, one learned `alpha` per channel (SPEC 8.2)."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x: Tensor) -> Tensor:  # [batch, channels, time]
+        # Same operation order as the reference (reciprocal of alpha + 1e-9, then multiply).
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class CausalConv1d(nn.Module):
+    """Conv1d that sees only past inputs: `ke - stride` zeros on the left, then right zeros up to a stride multiple.
+
+    Output step `t` depends on inputs up to `t * stride + stride - 1`, so a stride-1 conv streams by carrying its
+    last `ke - 1` inputs (`state`).
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, dilation: int = 1,
+                 groups: int = 1):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(out_channels, in_channels // groups, kernel_size))
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+        self.stride, self.dilation, self.groups = stride, dilation, groups
+        self.context = (kernel_size - 1) * dilation + 1 - stride  # left padding = inputs carried when streaming
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        # x: [batch, in_channels, time] -> [batch, out_channels, ceil(time / stride)]
+        if state is None:
+            x = F.pad(x, (self.context, -x.shape[-1] % self.stride))
+        else:
+            if self.stride != 1:
+                raise NotImplementedError("only stride-1 causal convs are streamed (the decoder has no other)")
+            history = state.get(self)
+            if history is None:
+                history = x.new_zeros(x.shape[0], x.shape[1], self.context)
+            x = torch.cat([history, x], dim=-1)
+            state[self] = x[..., x.shape[-1] - self.context :]
+        return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
+
+
+class CausalConvTranspose1d(nn.Module):
+    """Transposed conv keeping `stride` outputs per input: the `kernel - stride` overhang on the right is dropped.
+
+    Output sample `t * stride + r` mixes inputs `t` and the `history` inputs before it, so streaming carries the
+    last `history = ceil(kernel / stride) - 1` inputs; the bias is added once per output either way.
+    """
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(in_channels, out_channels, kernel_size))  # [in, out, kernel]
+        self.bias = nn.Parameter(torch.zeros(out_channels))
+        self.stride = stride
+        self.history = -(-kernel_size // stride) - 1
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        # x: [batch, in_channels, time] -> [batch, out_channels, time * stride]
+        steps = x.shape[-1]
+        carried = 0
+        if state is not None and self.history:
+            history = state.get(self)
+            if history is None:
+                history = x.new_zeros(x.shape[0], x.shape[1], self.history)
+            x = torch.cat([history, x], dim=-1)
+            state[self] = x[..., x.shape[-1] - self.history :]
+            carried = self.history
+        y = F.conv_transpose1d(x, self.weight, self.bias, self.stride)
+        return y[..., carried * self.stride : (carried + steps) * self.stride]
+
+
+class ResidualUnit(nn.Module):
+    """Snake -> causal conv k7 (dilated) -> Snake -> causal conv k1, added to the input (SPEC 8.2)."""
+
+    def __init__(self, channels: int, dilation: int):
+        super().__init__()
+        self.snake1 = Snake(channels)
+        self.conv1 = CausalConv1d(channels, channels, 7, dilation=dilation)
+        self.snake2 = Snake(channels)
+        self.conv2 = CausalConv1d(channels, channels, 1)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, channels, time]
+        y = self.conv1(self.snake1(x), state)
+        y = self.conv2(self.snake2(y), state)
+        return x + y  # stride-1 causal convs keep the length, so no cropping is needed
+
+
+class ConvNeXtBlock(nn.Module):
+    """Quantizer ConvNeXt block: depthwise causal conv k7 -> LayerNorm -> Linear x4 -> GELU -> Linear -> gamma."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.dwconv = CausalConv1d(dim, dim, 7, groups=dim)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, dim, time]
+        y = self.dwconv(x, state).transpose(1, 2)  # [batch, time, dim]
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(y))))
+        return x + (self.gamma * y).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Windowed causal transformer (encoder's last block, quantizer pre_module / post_module)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def rope_table(positions: Tensor, head_dim: int, base: float) -> Tensor:
+    """Rotary table `[positions, head_dim / 2, (cos, sin)]` rounded to bfloat16 like the reference, as float32.
+
+    The reference builds the table in float32 with `torch.polar` and stores it as bfloat16; the rounding moves
+    the audio by ~2e-3, far above the golden tolerance, so it is reproduced here. Each row depends only on its
+    position, so streamed and one-shot calls get identical values.
+    """
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, device=positions.device)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(positions.float(), freqs)  # [positions, head_dim / 2]
+    rotation = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rotation.real, rotation.imag], dim=-1).to(torch.bfloat16).float()
+
+
+def apply_rope(x: Tensor, table: Tensor) -> Tensor:
+    """Rotate interleaved pairs `(x[2i], x[2i+1])` of every head in float32. x: [batch, time, heads, head_dim]."""
+    pairs = x.float().reshape(*x.shape[:-1], -1, 2)  # [batch, time, heads, head_dim / 2, 2]
+    cos, sin = table[None, :, None, :, 0], table[None, :, None, :, 1]
+    rotated = torch.stack(
+        [pairs[..., 0] * cos - pairs[..., 1] * sin, pairs[..., 1] * cos + pairs[..., 0] * sin], dim=-1
+    )
+    return rotated.flatten(3).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a plain gain (`w`, not `1 + w`), normalised in float32."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:  # [..., dim]
+        x32 = x.float()
+        return (x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    """Per-channel output scale `gamma` of a transformer sub-layer."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.gamma
+
+
+class WindowedAttention(nn.Module):
+    """Causal attention where query `i` sees keys `j` with `i - window < j <= i`.
+
+    Queries are processed in blocks of `window`, each against at most `2 * window - 1` keys, so memory and work
+    are linear in the sequence length. When streaming, the last `window - 1` keys and values are carried.
+    """
+
+    def __init__(self, dim: int, n_head: int, head_dim: int, window: int):
+        super().__init__()
+        self.n_head, self.head_dim, self.window = n_head, head_dim, window
+        self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)  # rows: q | k | v
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+
+    def forward(self, x: Tensor, rope: Tensor, state: StreamState | None = None) -> Tensor:
+        batch, steps, _ = x.shape  # x: [batch, time, dim]
+        q, k, v = self.wqkv(x).view(batch, steps, 3, self.n_head, self.head_dim).unbind(2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [batch, heads, time, head_dim]
+        past = 0
+        if state is not None:
+            if self in state:
+                past_k, past_v = state[self]
+                past = past_k.shape[2]
+                k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
+            keep = max(0, k.shape[2] - (self.window - 1))
+            state[self] = (k[:, :, keep:], v[:, :, keep:])
+        out = torch.cat([self._attend_block(q, k, v, past, start) for start in range(0, steps, self.window)], dim=2)
+        return self.wo(out.transpose(1, 2).reshape(batch, steps, self.n_head * self.head_dim))
+
+    def _attend_block(self, q: Tensor, k: Tensor, v: Tensor, past: int, start: int) -> Tensor:
+        """Queries `start : start + window` (after `past` carried keys) against the keys inside their window."""
+        stop = min(start + self.window, q.shape[2])
+        key_lo, key_hi = max(0, past + start - self.window + 1), past + stop
+        query_pos = torch.arange(past + start, past + stop, device=q.device)[:, None]
+        key_pos = torch.arange(key_lo, key_hi, device=q.device)[None, :]
+        mask = (key_pos <= query_pos) & (key_pos > query_pos - self.window)  # [queries, keys]
+        return F.scaled_dot_product_attention(
+            q[:, :, start:stop], k[:, :, key_lo:key_hi], v[:, :, key_lo:key_hi], attn_mask=mask
+        )  # [batch, heads, queries, head_dim]
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: `w2(silu(w1 x) * w3 x)`."""
+
+    def __init__(self, dim: int, intermediate_size: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, intermediate_size, bias=False)
+        self.w3 = nn.Linear(dim, intermediate_size, bias=False)
+        self.w2 = nn.Linear(intermediate_size, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerLayer(nn.Module):
+    """`h = x + g_attn * Attn(RMS(x))`, `out = h + g_ffn * FFN(RMS(h))`."""
+
+    def __init__(self, dim: int, n_head: int, head_dim: int, intermediate_size: int, window: int, norm_eps: float):
+        super().__init__()
+        self.attention = WindowedAttention(dim, n_head, head_dim, window)
+        self.feed_forward = FeedForward(dim, intermediate_size)
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.attention_layer_scale = LayerScale(dim)
+        self.ffn_layer_scale = LayerScale(dim)
+
+    def forward(self, x: Tensor, rope: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, time, dim]
+        h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, state))
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
+
+class WindowedTransformer(nn.Module):
+    """Stack of `TransformerLayer`s and a final RMSNorm on channels-first input; positions count from the stream start."""
+
+    def __init__(self, n_layer: int, dim: int, n_head: int, head_dim: int, intermediate_size: int, window_size: int,
+                 rope_base: float, norm_eps: float):
+        super().__init__()
+        self.head_dim, self.rope_base = head_dim, rope_base
+        self.layers = nn.ModuleList(
+            TransformerLayer(dim, n_head, head_dim, intermediate_size, window_size, norm_eps) for _ in range(n_layer)
+        )
+        self.norm = RMSNorm(dim, norm_eps)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, dim, time]
+        start = state.get(self, 0) if state is not None else 0
+        positions = torch.arange(start, start + x.shape[-1], device=x.device)
+        rope = rope_table(positions, self.head_dim, self.rope_base)  # [time, head_dim / 2, 2]
+        h = x.transpose(1, 2)  # [batch, time, dim]
+        for layer in self.layers:
+            h = layer(h, rope, state)
+        if state is not None:
+            state[self] = start + x.shape[-1]
+        return self.norm(h).transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Encoder, quantizer, decoder
+# --------------------------------------------------------------------------------------------------------------
+
+
+class EncoderBlock(nn.Module):
+    """Residual units at `width / 2` -> Snake -> strided causal conv to `width` -> optional windowed transformer."""
+
+    def __init__(self, width: int, stride: int, transformer: WindowedTransformer | None):
+        super().__init__()
+        self.residual_units = nn.ModuleList(ResidualUnit(width // 2, dilation) for dilation in (1, 3, 9))
+        self.snake = Snake(width // 2)
+        self.downsample = CausalConv1d(width // 2, width, 2 * stride, stride=stride)
+        self.transformer = transformer
+
+    def forward(self, x: Tensor) -> Tensor:  # [batch, width / 2, time] -> [batch, width, ceil(time / stride)]
+        for unit in self.residual_units:
+            x = unit(x)
+        x = self.downsample(self.snake(x))
+        return self.transformer(x) if self.transformer is not None else x
+
+
+class FishDACEncoder(nn.Module):
+    """Audio -> latents: conv k7 -> encoder blocks -> Snake -> conv k3 (SPEC 8.3), one step per `hop_length`."""
+
+    def __init__(self, config: FishDACConfig):
+        super().__init__()
+        blocks = []
+        for index, stride in enumerate(config.encoder_rates):
+            shape = config.encoder_transformer_shape(index)
+            transformer = None
+            if shape["n_layer"]:
+                transformer = WindowedTransformer(
+                    **shape,
+                    window_size=config.encoder_transformer["window_size"],
+                    rope_base=config.encoder_transformer["rope_base"],
+                    norm_eps=config.encoder_transformer["norm_eps"],
+                )
+            blocks.append(EncoderBlock(config.encoder_block_width(index), stride, transformer))
+        self.input_conv = CausalConv1d(1, config.encoder_dim, 7)
+        self.blocks = nn.ModuleList(blocks)
+        last_width = config.encoder_block_width(len(blocks) - 1)
+        self.output_snake = Snake(last_width)
+        self.output_conv = CausalConv1d(last_width, config.latent_dim, 3)
+
+    def forward(self, audio: Tensor) -> Tensor:  # [batch, 1, samples] -> [batch, latent_dim, samples / hop_length]
+        x = self.input_conv(audio)
+        for block in self.blocks:
+            x = block(x)
+        return self.output_conv(self.output_snake(x))
+
+
+class DecoderBlock(nn.Module):
+    """Snake -> causal transposed conv (k = 2 * stride) to `out_channels` -> residual units (dilations 1, 3, 9)."""
+
+    def __init__(self, in_channels: int, out_channels: int, stride: int):
+        super().__init__()
+        self.snake = Snake(in_channels)
+        self.upsample = CausalConvTranspose1d(in_channels, out_channels, 2 * stride, stride)
+        self.residual_units = nn.ModuleList(ResidualUnit(out_channels, dilation) for dilation in (1, 3, 9))
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
+        x = self.upsample(self.snake(x), state)  # [batch, in, time] -> [batch, out, time * stride]
+        for unit in self.residual_units:
+            x = unit(x, state)
+        return x
+
+
+class FishDACDecoder(nn.Module):
+    """Latents -> audio in [-1, 1]: conv k7 -> decoder blocks -> Snake -> conv k7 -> tanh (SPEC 8.4)."""
+
+    def __init__(self, config: FishDACConfig):
+        super().__init__()
+        widths = [config.decoder_dim // 2**index for index in range(len(config.decoder_rates) + 1)]
+        self.input_conv = CausalConv1d(config.latent_dim, widths[0], 7)
+        self.blocks = nn.ModuleList(
+            DecoderBlock(widths[index], widths[index + 1], stride) for index, stride in enumerate(config.decoder_rates)
+        )
+        self.output_snake = Snake(widths[-1])
+        self.output_conv = CausalConv1d(widths[-1], 1, 7)
+
+    def forward(self, latents: Tensor, state: StreamState | None = None) -> Tensor:
+        # latents: [batch, latent_dim, steps] -> audio [batch, 1, steps * prod(decoder_rates)]
+        x = self.input_conv(latents, state)
+        for block in self.blocks:
+            x = block(x, state)
+        return torch.tanh(self.output_conv(self.output_snake(x), state))
+
+
+class VectorQuantizer(nn.Module):
+    """One codebook. Encode: nearest entry by cosine similarity of `in_proj(z)`; decode: row of a folded table.
+
+    `table[i] = out_proj(codebook[i])` (`[codebook_size, dim]`, bias included) is folded at load time, so decoding
+    a code is a single lookup.
+    """
+
+    def __init__(self, dim: int, codebook_size: int, codebook_dim: int):
+        super().__init__()
+        self.in_proj = nn.Linear(dim, codebook_dim)
+        self.codebook = nn.Parameter(torch.zeros(codebook_size, codebook_dim))
+        self.table = nn.Parameter(torch.zeros(codebook_size, dim))
+
+    def encode(self, z: Tensor) -> Tensor:  # [batch, dim, time] -> ids [batch, time]
+        latents = F.normalize(self.in_proj(z.transpose(1, 2)), dim=-1)  # [batch, time, codebook_dim]
+        return (latents @ F.normalize(self.codebook, dim=-1).T).argmax(dim=-1)
+
+    def decode(self, ids: Tensor) -> Tensor:  # [batch, time] -> [batch, dim, time]
+        return F.embedding(ids, self.table).transpose(1, 2)
+
+
+class ResampleStage(nn.Module):
+    """Quantizer down- or upsampling stage: causal (transposed) conv with kernel = stride, then a ConvNeXt block."""
+
+    def __init__(self, dim: int, factor: int, upsample: bool):
+        super().__init__()
+        self.conv = CausalConvTranspose1d(dim, dim, factor, factor) if upsample else CausalConv1d(dim, dim, factor, factor)
+        self.convnext = ConvNeXtBlock(dim)
+
+    def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, dim, time]
+        return self.convnext(self.conv(x, state), state)
+
+
+class FishDACQuantizer(nn.Module):
+    """Latents at hop rate <-> codes at frame rate (SPEC 8.3 / 8.4).
+
+    `codebooks[0]` is the semantic codebook (code 0), `codebooks[1:]` the residual ones (codes 1..n).
+    """
+
+    def __init__(self, config: FishDACConfig):
+        super().__init__()
+        q = config.quantizer
+        dim, factors = q["input_dim"], q["downsample_factor"]
+        self.codebook_sizes = config.codebook_sizes
+        self.downsample = nn.ModuleList(ResampleStage(dim, factor, upsample=False) for factor in factors)
+        self.pre_module = WindowedTransformer(**q["transformer"])
+        self.codebooks = nn.ModuleList(VectorQuantizer(dim, size, q["codebook_dim"]) for size in self.codebook_sizes)
+        self.post_module = WindowedTransformer(**q["transformer"])
+        self.upsample = nn.ModuleList(ResampleStage(dim, factor, upsample=True) for factor in reversed(factors))
+
+    def encode(self, latents: Tensor) -> Tensor:  # [batch, dim, steps] -> codes [batch, codebooks, frames]
+        z = latents
+        for stage in self.downsample:
+            z = stage(z)
+        residual = self.pre_module(z)
+        codes = []
+        for vq in self.codebooks:  # each stage quantizes what the previous ones left
+            ids = vq.encode(residual)
+            codes.append(ids)
+            residual = residual - vq.decode(ids)
+        return torch.stack(codes, dim=1)
+
+    def decode(self, codes: Tensor, state: StreamState | None = None) -> Tensor:
+        # codes: [batch, codebooks, frames] (already clamped) -> latents [batch, dim, frames * prod(factors)]
+        residual = sum(vq.decode(codes[:, index]) for index, vq in enumerate(self.codebooks) if index)
+        z = self.codebooks[0].decode(codes[:, 0]) + residual
+        z = self.post_module(z, state)
+        for stage in self.upsample:
+            z = stage(z, state)
+        return z
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Input checks and resampling
+# --------------------------------------------------------------------------------------------------------------
+
+_RESAMPLE_ZERO_CROSSINGS = 32  # sinc lobes kept on each side of a tap
+_RESAMPLE_ROLLOFF = 0.945  # cutoff as a fraction of the lower Nyquist frequency
+_RESAMPLE_KAISER_BETA = 10.0  # Kaiser window shape (~100 dB stopband)
+
+
+def resample_audio(audio: Tensor, orig_rate: int, target_rate: int) -> Tensor:
+    """Band-limited resampling of `[..., samples]` from `orig_rate` to `target_rate` Hz (our own, no scipy/torchaudio).
+
+    Polyphase windowed-sinc interpolation: the rates are reduced by their gcd to `down -> up`, output sample `n`
+    sits at input time `n * down / up`, and each of the `up` phases has its own Kaiser-windowed sinc kernel
+    (cutoff 0.945 of the lower Nyquist frequency, 32 zero crossings per side, beta 10). Computed in float64;
+    the output has `ceil(samples * target_rate / orig_rate)` samples and the input's dtype.
+    """
+    if orig_rate == target_rate:
+        return audio
+    divisor = math.gcd(orig_rate, target_rate)
+    down, up = orig_rate // divisor, target_rate // divisor
+    cutoff = _RESAMPLE_ROLLOFF * min(1.0, up / down)  # in cycles per two input samples (1 = input Nyquist)
+    half_width = _RESAMPLE_ZERO_CROSSINGS / cutoff  # kernel half-length in input samples
+    reach = math.ceil(half_width)
+    taps = torch.arange(-reach, down + reach, dtype=torch.float64)  # input offsets m around j * down
+    phases = torch.arange(up, dtype=torch.float64)[:, None] * down / up  # [up, 1] fractional input positions
+    t = phases - taps  # [up, taps] distance from output time to each tap
+    window = torch.special.i0(_RESAMPLE_KAISER_BETA * torch.sqrt((1 - (t / half_width) ** 2).clamp(min=0)))
+    window = torch.where(t.abs() <= half_width, window / torch.special.i0(torch.tensor(_RESAMPLE_KAISER_BETA)), 0)
+    kernels = (cutoff * torch.sinc(cutoff * t) * window)[:, None, :]  # [up, 1, taps]
+
+    leading, samples = audio.shape[:-1], audio.shape[-1]
+    out_samples = -(-samples * up // down)
+    steps = -(-out_samples // up)
+    x = audio.reshape(-1, 1, samples).to(torch.float64)  # [signals, 1, samples]
+    right = max(0, (steps - 1) * down + kernels.shape[-1] - (samples + reach))
+    x = F.pad(x, (reach, right))
+    y = F.conv1d(x, kernels.to(x.device), stride=down)[..., :steps]  # [signals, up, steps]
+    y = y.transpose(1, 2).reshape(-1, steps * up)[:, :out_samples]
+    return y.reshape(*leading, out_samples).to(audio.dtype)
+
+
+def _as_tensor(value: Any, what: str) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return torch.as_tensor(np.asarray(value))
+    raise TypeError(f"{what} must be a torch.Tensor or numpy array, got {type(value).__name__}")
+
+
+def _check_codes(codes: Any, codebook_sizes: list[int]) -> Tensor:
+    """Validate `[batch, codebooks, frames]` integer codes and clamp each codebook to its size (SPEC 8.4)."""
+    codes = _as_tensor(codes, "codes")
+    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
+        raise TypeError(f"codes must be an integer tensor (torch.long), got {codes.dtype}")
+    if codes.ndim != 3 or codes.shape[1] != len(codebook_sizes):
+        raise ValueError(
+            f"codes must have shape [batch, {len(codebook_sizes)}, frames] (one row per codebook), "
+            f"got {list(codes.shape)}"
+        )
+    if codes.numel() and bool((codes < 0).any()):
+        raise ValueError(f"codes must be non-negative codebook ids, got a minimum of {int(codes.min())}")
+    limits = torch.tensor(codebook_sizes, device=codes.device)[None, :, None] - 1
+    return torch.minimum(codes.long(), limits)
+
+
+def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
+    """Validate audio and bring it to `[batch, samples]` mono (channels averaged); no resampling yet."""
+    audio = _as_tensor(audio, "audio")
+    if not audio.is_floating_point():
+        raise TypeError(
+            f"audio must be floating point samples in [-1, 1], got {audio.dtype}; convert integer PCM first "
+            "(e.g. int16: audio.float() / 32768)"
+        )
+    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
+        raise ValueError(f"sampling_rate must be a positive integer (Hz), got {sampling_rate!r}")
+    if audio.ndim == 1:
+        audio = audio[None]
+    elif audio.ndim == 2:
+        if audio.shape[1] <= 8 < audio.shape[0]:
+            raise ValueError(
+                f"audio of shape {list(audio.shape)} looks like [samples, channels]; 2-D audio is [batch, samples]. "
+                "Pass multi-channel audio as [batch, channels, samples] (e.g. audio.T[None])"
+            )
+    elif audio.ndim == 3:
+        audio = audio.mean(dim=1)  # [batch, channels, samples] -> [batch, samples]
+    else:
+        raise ValueError(f"audio must be [samples], [batch, samples] or [batch, channels, samples], got {list(audio.shape)}")
+    if audio.shape[0] == 0 or audio.shape[-1] == 0:
+        raise ValueError(f"audio is empty (shape {list(audio.shape)})")
+    if not bool(torch.isfinite(audio).all()):
+        raise ValueError("audio contains NaN or infinite samples")
+    return audio
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The codec
+# --------------------------------------------------------------------------------------------------------------
+
+
+class FishDACCodec(nn.Module):
+    """The whole codec: `encode` (audio -> codes), `decode` (codes -> audio) and `stream()` (chunked decode).
+
+    Build it from a `FishDACConfig` (weights start at zero) and load `codec.pth` with `from_codec_file` or
+    `load_original_state_dict`. It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always
+    returned as float32.
+    """
+
+    def __init__(self, config: FishDACConfig):
+        super().__init__()
+        self.config = config
+        self.encoder = FishDACEncoder(config)
+        self.quantizer = FishDACQuantizer(config)
+        self.decoder = FishDACDecoder(config)
+
+    @classmethod
+    def from_codec_file(cls, path: str | Path, config: FishDACConfig | None = None) -> FishDACCodec:
+        """Build the codec for `config` (default: the real Drama 3 codec) and load an original `codec.pth`."""
+        codec = cls(config if config is not None else FishDACConfig())
+        codec.load_original_state_dict(load_codec_state_dict(path))
+        return codec.eval()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.output_conv.weight.dtype
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes `[batch, num_codebooks, frames]` -> float32 audio `[batch, frames * frame_length]` in [-1, 1].
+
+        Ids above a codebook's size are clamped to its last entry (SPEC 8.4); negative ids are an error.
+        """
+        codes = _check_codes(codes, self.quantizer.codebook_sizes)
+        if codes.shape[-1] == 0:
+            return torch.zeros(codes.shape[0], 0, device=codes.device)
+        return self.decoder(self.quantizer.decode(codes))[:, 0].float()
+
+    @torch.no_grad()
+    def encode(self, audio: Tensor, sampling_rate: int) -> Tensor:
+        """Float audio -> codes `[batch, num_codebooks, ceil(samples / frame_length)]` (SPEC 8.3).
+
+        `audio` is `[samples]`, `[batch, samples]` or `[batch, channels, samples]` (channels are averaged to
+        mono). Audio at another rate is resampled to `config.sample_rate` with `resample_audio`; the result is
+        right-padded with zeros to a whole number of frames.
+        """
+        audio = _check_audio(audio, sampling_rate)
+        audio = resample_audio(audio, int(sampling_rate), self.config.sample_rate)
+        audio = F.pad(audio, (0, -audio.shape[-1] % self.config.frame_length)).to(self.dtype)
+        return self.quantizer.encode(self.encoder(audio[:, None]))
+
+    def stream(self) -> FishDACStreamingDecoder:
+        """A new streaming decoder: feed it codes chunk by chunk to get the audio of each chunk right away."""
+        return FishDACStreamingDecoder(self)
+
+    def load_original_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Load an original `codec.pth` state dict (SPEC 8.5 names), folding weight norm and VQ out_proj.
+
+        Strict: missing keys, unexpected keys and wrong shapes raise `FishDACLoadError` naming them.
+        """
+        expected = {key: shape for prefix, kind, module in _original_layout(self)
+                    for key, shape in _prefixed(prefix, _FORMATS[kind][0](module))}
+        missing = sorted(set(expected) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(expected))
+        if missing or unexpected:
+            raise FishDACLoadError(
+                f"codec state dict does not match the codec config: {len(missing)} missing keys {_preview(missing)}, "
+                f"{len(unexpected)} unexpected keys {_preview(unexpected)}"
+            )
+        wrong = [f"{key}: expected {list(shape)}, got {list(state_dict[key].shape)}"
+                 for key, shape in expected.items() if tuple(state_dict[key].shape) != tuple(shape)]
+        if wrong:
+            raise FishDACLoadError(f"codec state dict has {len(wrong)} tensors of the wrong shape: {_preview(wrong)}")
+        with torch.no_grad():
+            for prefix, kind, module in _original_layout(self):
+                names = _FORMATS[kind][0](module)
+                _FORMATS[kind][1](module, {name: state_dict[f"{prefix}.{name}"] for name in names})
+
+
+class FishDACStreamingDecoder:
+    """Decodes codes in chunks of any number of frames (including 0 and 1) with the audio of one whole decode.
+
+    Carried state is bounded: the last inputs of every causal conv, the transformer keys and values of the last
+    `window - 1` frames, and the absolute frame position; the work per chunk depends only on its length.
+    """
+
+    def __init__(self, codec: FishDACCodec):
+        self.codec = codec
+        self.frames_decoded = 0
+        self._state: StreamState = {}
+        self._batch_size: int | None = None
+
+    @torch.no_grad()
+    def decode(self, codes: Tensor) -> Tensor:
+        """codes `[batch, num_codebooks, n]` -> float32 audio `[batch, n * frame_length]` continuing the stream."""
+        codes = _check_codes(codes, self.codec.quantizer.codebook_sizes)
+        if self._batch_size is not None and codes.shape[0] != self._batch_size:
+            raise ValueError(f"this stream decodes a batch of {self._batch_size}, got a chunk of batch {codes.shape[0]}")
+        self._batch_size = codes.shape[0]
+        if codes.shape[-1] == 0:
+            return torch.zeros(codes.shape[0], 0, device=codes.device)
+        latents = self.codec.quantizer.decode(codes, self._state)
+        audio = self.codec.decoder(latents, self._state)[:, 0].float()
+        self.frames_decoded += codes.shape[-1]
+        return audio
+
+    def reset(self) -> None:
+        """Forget the carried state, to start a new stream."""
+        self.__init__(self.codec)
+
+    def state_size(self) -> int:
+        """Number of carried tensor elements (bounded; does not grow with the frames decoded)."""
+        tensors = [value if isinstance(value, tuple) else (value,) for value in self._state.values()]
+        return sum(t.numel() for group in tensors for t in group if isinstance(t, Tensor))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The original `codec.pth` layout (SPEC 8.5): key shapes, folding, loading, random weights
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _original_layout(codec: FishDACCodec) -> Iterator[tuple[str, str, nn.Module]]:
+    """`(original key prefix, format, module)` for every module holding weights, in `codec.pth` naming."""
+    encoder, quantizer, decoder = codec.encoder, codec.quantizer, codec.decoder
+    yield "encoder.block.0", "wn_conv", encoder.input_conv
+    for index, block in enumerate(encoder.blocks, start=1):
+        for unit_index, unit in enumerate(block.residual_units):
+            yield from _residual_unit_layout(f"encoder.block.{index}.block.{unit_index}", unit)
+        yield f"encoder.block.{index}.block.3", "snake", block.snake
+        yield f"encoder.block.{index}.block.4", "wn_conv", block.downsample
+        if block.transformer is not None:
+            yield f"encoder.block.{index}.block.5", "transformer", block.transformer
+    yield f"encoder.block.{len(encoder.blocks) + 1}", "snake", encoder.output_snake
+    yield f"encoder.block.{len(encoder.blocks) + 2}", "wn_conv", encoder.output_conv
+
+    yield "quantizer.semantic_quantizer.quantizers.0", "vq", quantizer.codebooks[0]
+    for index, vq in enumerate(quantizer.codebooks[1:]):
+        yield f"quantizer.quantizer.quantizers.{index}", "vq", vq
+    for name, stages in (("downsample", quantizer.downsample), ("upsample", quantizer.upsample)):
+        for index, stage in enumerate(stages):
+            yield f"quantizer.{name}.{index}.0", "conv", stage.conv
+            yield f"quantizer.{name}.{index}.1", "convnext", stage.convnext
+    yield "quantizer.pre_module", "transformer", quantizer.pre_module
+    yield "quantizer.post_module", "transformer", quantizer.post_module
+
+    yield "decoder.model.0", "wn_conv", decoder.input_conv
+    for index, block in enumerate(decoder.blocks, start=1):
+        yield f"decoder.model.{index}.block.0", "snake", block.snake
+        yield f"decoder.model.{index}.block.1", "wn_conv", block.upsample
+        for unit_index, unit in enumerate(block.residual_units, start=2):
+            yield from _residual_unit_layout(f"decoder.model.{index}.block.{unit_index}", unit)
+    yield f"decoder.model.{len(decoder.blocks) + 1}", "snake", decoder.output_snake
+    yield f"decoder.model.{len(decoder.blocks) + 2}", "wn_conv", decoder.output_conv
+
+
+def _residual_unit_layout(prefix: str, unit: ResidualUnit) -> Iterator[tuple[str, str, nn.Module]]:
+    yield f"{prefix}.block.0", "snake", unit.snake1
+    yield f"{prefix}.block.1", "wn_conv", unit.conv1
+    yield f"{prefix}.block.2", "snake", unit.snake2
+    yield f"{prefix}.block.3", "wn_conv", unit.conv2
+
+
+def _fold_weight_norm(g: Tensor, v: Tensor) -> Tensor:
+    """`W = g * v / ||v||`, norm over every dim but 0 (for transposed convs dim 0 is the input channel).
+
+    `torch._weight_norm` is the kernel the reference's weight-norm parametrization runs, so the folded weights are
+    bit-identical to the ones the reference computes on every forward.
+    """
+    return torch._weight_norm(v.float(), g.float(), 0)
+
+
+def _wn_conv_shapes(conv: CausalConv1d | CausalConvTranspose1d) -> dict[str, tuple[int, ...]]:
+    weight = tuple(conv.weight.shape)
+    return {
+        "conv.bias": tuple(conv.bias.shape),
+        "conv.parametrizations.weight.original0": (weight[0], 1, 1),
+        "conv.parametrizations.weight.original1": weight,
+    }
+
+
+def _load_wn_conv(conv: CausalConv1d | CausalConvTranspose1d, tensors: dict[str, Tensor]) -> None:
+    conv.weight.copy_(_fold_weight_norm(tensors["conv.parametrizations.weight.original0"],
+                                        tensors["conv.parametrizations.weight.original1"]))
+    conv.bias.copy_(tensors["conv.bias"])
+
+
+def _vq_shapes(vq: VectorQuantizer) -> dict[str, tuple[int, ...]]:
+    size, codebook_dim = vq.codebook.shape
+    dim = vq.table.shape[1]
+    return {
+        "codebook.weight": (size, codebook_dim),
+        "in_proj.weight_g": (codebook_dim, 1, 1),
+        "in_proj.weight_v": (codebook_dim, dim, 1),
+        "in_proj.bias": (codebook_dim,),
+        "out_proj.weight_g": (dim, 1, 1),
+        "out_proj.weight_v": (dim, codebook_dim, 1),
+        "out_proj.bias": (dim,),
+    }
+
+
+def _load_vq(vq: VectorQuantizer, tensors: dict[str, Tensor]) -> None:
+    in_proj = _fold_weight_norm(tensors["in_proj.weight_g"], tensors["in_proj.weight_v"])[..., 0]  # [cb_dim, dim]
+    out_proj = _fold_weight_norm(tensors["out_proj.weight_g"], tensors["out_proj.weight_v"])[..., 0]  # [dim, cb_dim]
+    codebook = tensors["codebook.weight"].float()  # [size, cb_dim]
+    vq.in_proj.weight.copy_(in_proj)
+    vq.in_proj.bias.copy_(tensors["in_proj.bias"])
+    vq.codebook.copy_(codebook)
+    vq.table.copy_(codebook @ out_proj.T + tensors["out_proj.bias"].float())  # [size, dim]
+
+
+def _renamed(rename: Callable[[str], str]) -> tuple[Callable, Callable]:
+    """Format whose original names map one to one onto the module's parameters (no folding)."""
+
+    def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
+        return {rename(name): tuple(p.shape) for name, p in module.named_parameters()}
+
+    def load(module: nn.Module, tensors: dict[str, Tensor]) -> None:
+        for name, param in module.named_parameters():
+            param.copy_(tensors[rename(name)])
+
+    return shapes, load
+
+
+# format -> (original tensor shapes of a module, loader of those tensors into the module)
+_FORMATS: dict[str, tuple[Callable, Callable]] = {
+    "snake": _renamed(lambda name: name),
+    "wn_conv": (_wn_conv_shapes, _load_wn_conv),
+    "conv": _renamed(lambda name: f"conv.{name}"),
+    "convnext": _renamed(lambda name: name.replace("dwconv.", "dwconv.conv.")),
+    "transformer": _renamed(lambda name: name),
+    "vq": (_vq_shapes, _load_vq),
+}
+
+
+def _prefixed(prefix: str, shapes: dict[str, tuple[int, ...]]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    return ((f"{prefix}.{name}", shape) for name, shape in shapes.items())
+
+
+def _preview(items: list[str], limit: int = 8) -> str:
+    return str(items[:limit])[:-1] + (f", ... {len(items) - limit} more]" if len(items) > limit else "]")
+
+
+def original_codec_key_shapes(config: FishDACConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of an original `codec.pth` for `config` (SPEC 8.5) with its shape; nothing is allocated."""
+    with torch.device("meta"):
+        codec = FishDACCodec(config)
+    return {key: shape for prefix, kind, module in _original_layout(codec)
+            for key, shape in _prefixed(prefix, _FORMATS[kind][0](module))}
+
+
+def load_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
+    """Read an original `codec.pth` as a state dict, safely (`weights_only=True`, memory-mapped when possible).
+
+    Unwraps `{"state_dict": ...}`, strips `generator.` prefixes and drops `...causal_mask` buffers. A file that
+    holds pickled objects other than tensors is refused (never executed) with `FishDACLoadError`.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"codec file not found: {path}")
+    try:
+        try:
+            loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as error:  # legacy (non-zip) files cannot be memory-mapped
+            if "mmap" not in str(error):
+                raise
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
+        raise FishDACLoadError(
+            f"{path} is not a tensors-only PyTorch state dict and was refused (it was loaded with weights_only=True, "
+            f"so nothing in it was executed): {str(error).splitlines()[0]}"
+        ) from error
+    if isinstance(loaded, dict) and isinstance(loaded.get("state_dict"), dict):
+        loaded = loaded["state_dict"]
+    if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
+        raise FishDACLoadError(f"{path} does not hold a state dict (a dict of name -> tensor)")
+    return {key.removeprefix("generator."): value for key, value in loaded.items() if not key.endswith("causal_mask")}
+
+
+def random_original_codec_state_dict(config: FishDACConfig, generator: torch.Generator) -> dict[str, Tensor]:
+    """A random float32 `codec.pth` state dict in the original layout, for tiny test checkpoints and benchmarks.
+
+    Snake alphas in [0.5, 1.5], weight-norm gains in [0.5, 1.5] (never exactly 1), layer scales in [0.1, 0.5],
+    norm gains near 1, random codebooks, fan-in scaled weights: `load_original_state_dict` accepts it and it
+    decodes to finite audio that is not saturated.
+    """
+
+    def uniform(shape: tuple[int, ...], low: float, high: float) -> Tensor:
+        return torch.rand(shape, generator=generator) * (high - low) + low
+
+    def normal(shape: tuple[int, ...], std: float) -> Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    state_dict = {}
+    for key, shape in original_codec_key_shapes(config).items():
+        if key.endswith("alpha"):
+            value = uniform(shape, 0.5, 1.5)
+        elif key.endswith(".block.3.conv.parametrizations.weight.original0"):  # last conv of a residual unit
+            value = uniform(shape, 0.1, 0.3)  # small residual branches keep the stacked units from blowing up
+        elif key.endswith(("original0", "weight_g")):
+            value = uniform(shape, 0.5, 1.5)
+        elif key.endswith(("original1", "weight_v", "codebook.weight")):
+            value = normal(shape, 1.0)
+        elif key.endswith(("layer_scale.gamma", ".1.gamma")):
+            value = uniform(shape, 0.1, 0.5)
+        elif key.endswith(("norm.weight",)):
+            value = uniform(shape, 0.8, 1.2)
+        elif key.endswith("bias"):
+            value = normal(shape, 0.02)
+        elif ".upsample." in key and key.endswith("conv.weight"):  # transposed [in, out, k], kernel = stride
+            value = normal(shape, shape[0] ** -0.5)
+        else:  # linear [out, in] or conv [out, in, k]
+            value = normal(shape, math.prod(shape[1:]) ** -0.5)
+        state_dict[key] = value
+    return state_dict
+
+
+__all__ = [
+    "FishDACCodec",
+    "FishDACDecoder",
+    "FishDACEncoder",
+    "FishDACLoadError",
+    "FishDACQuantizer",
+    "FishDACStreamingDecoder",
+    "load_codec_state_dict",
+    "original_codec_key_shapes",
+    "random_original_codec_state_dict",
+    "resample_audio",
+]

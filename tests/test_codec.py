@@ -1,0 +1,512 @@
+"""Fish DAC codec (SPEC 8): golden decode/encode, exact streaming, the original `codec.pth` layout, bad inputs."""
+
+import json
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transformers_drama3.configuration_drama3 import FishDACConfig
+from transformers_drama3.modeling_codec import (
+    CausalConv1d,
+    CausalConvTranspose1d,
+    FishDACCodec,
+    FishDACLoadError,
+    VectorQuantizer,
+    WindowedAttention,
+    apply_rope,
+    load_codec_state_dict,
+    original_codec_key_shapes,
+    random_original_codec_state_dict,
+    resample_audio,
+    rope_table,
+)
+
+from .conftest import GOLDEN_TINY
+
+CODEC_PTH = GOLDEN_TINY / "codec.pth"
+
+
+@pytest.fixture(scope="module")
+def tiny_config():
+    with open(GOLDEN_TINY / "config.json") as f:
+        return FishDACConfig(**json.load(f)["codec_config"])
+
+
+@pytest.fixture(scope="module")
+def codec(tiny_config):
+    return FishDACCodec.from_codec_file(CODEC_PTH, tiny_config)
+
+
+@pytest.fixture(scope="module")
+def codec64(tiny_config):
+    return FishDACCodec.from_codec_file(CODEC_PTH, tiny_config).double()
+
+
+@pytest.fixture(scope="module")
+def small_window_codec(tiny_config):
+    """Tiny codec with random weights and a 3-frame quantizer window, so short streams cross the window often."""
+    values = tiny_config.to_dict()
+    values["quantizer"]["transformer"]["window_size"] = 3
+    config = FishDACConfig(**values)
+    codec = FishDACCodec(config)
+    codec.load_original_state_dict(random_original_codec_state_dict(config, torch.Generator().manual_seed(1)))
+    return codec.double()
+
+
+def random_codes(config, frames, batch=1, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randint(0, n, (batch, frames), generator=generator) for n in config.codebook_sizes], 1)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Golden outputs (tolerances of the golden README)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_golden_decode(codec, expected):
+    audio = codec.decode(expected["codec_codes"][None])
+    assert audio.shape == (1, 12 * 2048) and audio.dtype == torch.float32
+    torch.testing.assert_close(audio[0], expected["codec_audio"], atol=1e-4, rtol=0)
+
+
+def test_golden_encode_is_exact(codec, expected):
+    codes = codec.encode(expected["codec_input_audio"], sampling_rate=44100)
+    assert codes.shape == (1, 10, 22) and codes.dtype == torch.long
+    assert torch.equal(codes[0], expected["codec_encoded"])
+
+
+def test_golden_roundtrip(codec, expected):
+    audio = codec.decode(codec.encode(expected["codec_input_audio"], 44100))
+    torch.testing.assert_close(audio[0], expected["codec_roundtrip_audio"], atol=1e-4, rtol=0)
+
+
+def test_batch_decode_equals_single_decodes(codec, expected, tiny_config):
+    codes = torch.cat([expected["codec_codes"][None], random_codes(tiny_config, 12)])
+    batched = codec.decode(codes)
+    for row in range(2):
+        torch.testing.assert_close(batched[row], codec.decode(codes[row : row + 1])[0], atol=5e-5, rtol=0)
+
+
+def test_decode_of_zero_frames_is_empty(codec):
+    assert codec.decode(torch.zeros(2, 10, 0, dtype=torch.long)).shape == (2, 0)
+
+
+def test_bfloat16_codec_decodes_close_to_float32(tiny_config, expected):
+    codec = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config).to(torch.bfloat16)
+    audio = codec.decode(expected["codec_codes"][None])[0]
+    assert audio.dtype == torch.float32 and torch.isfinite(audio).all()
+    assert torch.corrcoef(torch.stack([audio, expected["codec_audio"]]))[0, 1] > 0.95
+
+
+def test_folded_state_dict_round_trips(codec, tiny_config, expected):
+    reloaded = FishDACCodec(tiny_config)
+    reloaded.load_state_dict(codec.state_dict())
+    assert torch.equal(reloaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Streaming
+# --------------------------------------------------------------------------------------------------------------
+
+
+def chunked_decode(codec, codes, sizes):
+    stream, pieces, start = codec.stream(), [], 0
+    for size in sizes:
+        piece = stream.decode(codes[..., start : start + size])
+        assert piece.shape == (codes.shape[0], size * codec.config.frame_length)
+        pieces.append(piece)
+        start += size
+    return torch.cat(pieces, dim=-1)
+
+
+@settings(max_examples=8, deadline=None)
+@given(sizes=st.lists(st.integers(min_value=0, max_value=4), min_size=1, max_size=6).filter(lambda s: sum(s) > 0))
+def test_streaming_matches_one_shot_float32(codec, expected, sizes):
+    codes = torch.cat([expected["codec_codes"], expected["codec_codes"].flip(-1)], dim=-1)[None, :, : sum(sizes)]
+    torch.testing.assert_close(chunked_decode(codec, codes, sizes), codec.decode(codes), atol=5e-5, rtol=0)
+
+
+@settings(max_examples=6, deadline=None)
+@given(sizes=st.lists(st.sampled_from([0, 1, 1, 2, 3]), min_size=1, max_size=6).filter(lambda s: sum(s) > 0))
+def test_streaming_is_exact_across_windows(small_window_codec, sizes):
+    """In float64 the streamed audio is the one-shot audio bit for bit (the output is rounded to float32)."""
+    codes = random_codes(small_window_codec.config, sum(sizes), batch=2, seed=len(sizes))
+    assert torch.equal(chunked_decode(small_window_codec, codes, sizes), small_window_codec.decode(codes))
+
+
+def test_streaming_one_frame_chunks_and_bounded_state(small_window_codec):
+    codes = random_codes(small_window_codec.config, 16, seed=3)
+    stream, sizes = small_window_codec.stream(), []
+    pieces = []
+    for frame in range(16):
+        pieces.append(stream.decode(codes[..., frame : frame + 1]))
+        sizes.append(stream.state_size())
+    assert stream.frames_decoded == 16
+    assert torch.equal(torch.cat(pieces, -1), small_window_codec.decode(codes))
+    # The KV cache fills up to window - 1 = 2 frames, then the carried state stops growing.
+    assert len(set(sizes[2:])) == 1
+
+
+def test_stream_rejects_batch_change(codec, tiny_config):
+    stream = codec.stream()
+    stream.decode(random_codes(tiny_config, 1, batch=2))
+    with pytest.raises(ValueError, match="batch"):
+        stream.decode(random_codes(tiny_config, 1, batch=1))
+
+
+def test_windowed_attention_matches_masked_full_attention():
+    torch.manual_seed(0)
+    attention = WindowedAttention(dim=16, n_head=2, head_dim=8, window=5).double()
+    x = torch.randn(2, 23, 16, dtype=torch.float64)  # several query blocks of `window`
+    rope = rope_table(torch.arange(23), 8, 10000)
+    q, k, v = attention.wqkv(x).view(2, 23, 3, 2, 8).unbind(2)
+    q, k, v = (t.transpose(1, 2) for t in (apply_rope(q, rope), apply_rope(k, rope), v))
+    i, j = torch.arange(23)[:, None], torch.arange(23)[None, :]
+    full = F.scaled_dot_product_attention(q, k, v, attn_mask=(j <= i) & (j > i - 5))
+    reference = attention.wo(full.transpose(1, 2).reshape(2, 23, 16))
+    torch.testing.assert_close(attention(x, rope), reference, atol=1e-12, rtol=0)
+
+
+def test_rope_table_is_bfloat16_rounded():
+    table = rope_table(torch.arange(300), 64, 10000)
+    assert torch.equal(table, table.to(torch.bfloat16).float())
+    angles = torch.arange(300)[:, None].double() / 10000 ** (torch.arange(0, 64, 2).double() / 64)
+    torch.testing.assert_close(table[..., 0].double(), angles.cos(), atol=4e-3, rtol=0)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The original layout: key set, parameter count, folding, random weights
+# --------------------------------------------------------------------------------------------------------------
+
+_CONV = r"conv\.(bias|parametrizations\.weight\.original[01])"
+_UNIT = rf"block\.[0-2]\.block\.([02]\.alpha|[13]\.{_CONV})"
+_DEC_UNIT = rf"block\.[2-4]\.block\.([02]\.alpha|[13]\.{_CONV})"
+_LAYER = (r"layers\.\d+\.(attention\.(wqkv|wo)\.weight|feed_forward\.w[123]\.weight|(attention|ffn)_norm\.weight"
+          r"|(attention|ffn)_layer_scale\.gamma)|norm\.weight")
+_VQ = r"quantizers\.\d+\.(codebook\.weight|(in|out)_proj\.(weight_g|weight_v|bias))"
+_CONVNEXT = r"1\.(dwconv\.conv\.(weight|bias)|norm\.(weight|bias)|pwconv[12]\.(weight|bias)|gamma)"
+SPEC_8_5_PATTERNS = [
+    rf"encoder\.block\.0\.{_CONV}",
+    rf"encoder\.block\.[1-4]\.{_UNIT}",
+    r"encoder\.block\.[1-4]\.block\.3\.alpha",
+    rf"encoder\.block\.[1-4]\.block\.4\.{_CONV}",
+    rf"encoder\.block\.4\.block\.5\.({_LAYER})",
+    r"encoder\.block\.5\.alpha",
+    rf"encoder\.block\.6\.{_CONV}",
+    rf"quantizer\.semantic_quantizer\.{_VQ}",
+    rf"quantizer\.quantizer\.{_VQ}",
+    r"quantizer\.(downsample|upsample)\.[01]\.0\.conv\.(weight|bias)",
+    rf"quantizer\.(downsample|upsample)\.[01]\.{_CONVNEXT}",
+    rf"quantizer\.(pre|post)_module\.({_LAYER})",
+    rf"decoder\.model\.0\.{_CONV}",
+    r"decoder\.model\.[1-4]\.block\.0\.alpha",
+    rf"decoder\.model\.[1-4]\.block\.1\.{_CONV}",
+    rf"decoder\.model\.[1-4]\.{_DEC_UNIT}",
+    r"decoder\.model\.5\.alpha",
+    rf"decoder\.model\.6\.{_CONV}",
+]
+
+
+def test_real_codec_layout_on_meta_device():
+    """The real constants give 535 original tensors (~391.4 M parameters) named as in SPEC 8.5, loadable."""
+    config = FishDACConfig()
+    shapes = original_codec_key_shapes(config)
+    assert len(shapes) == 535
+    assert sum(math.prod(shape) for shape in shapes.values()) == pytest.approx(391.4e6, abs=0.05e6)
+    unmatched = [key for key in shapes if not any(re.fullmatch(p, key) for p in SPEC_8_5_PATTERNS)]
+    assert unmatched == []
+    assert len([k for k in shapes if k.startswith("quantizer.quantizer.quantizers.")]) == 9 * 7
+    assert len([k for k in shapes if ".layers." in k and k.startswith("quantizer.pre_module")]) == 8 * 9
+    assert shapes["quantizer.semantic_quantizer.quantizers.0.codebook.weight"] == (4096, 8)
+    assert shapes["decoder.model.1.block.1.conv.parametrizations.weight.original1"] == (1536, 768, 16)
+    assert shapes["encoder.block.4.block.5.layers.3.attention.wqkv.weight"] == (3 * 1024, 1024)
+    with torch.device("meta"):
+        codec = FishDACCodec(config)
+        codec.load_original_state_dict({key: torch.empty(shape) for key, shape in shapes.items()})
+
+
+def test_tiny_layout_equals_the_golden_codec_pth(tiny_config):
+    golden = torch.load(CODEC_PTH, weights_only=True)
+    assert {k: tuple(v.shape) for k, v in golden.items()} == original_codec_key_shapes(tiny_config)
+
+
+def weight_normed(module, g, v):
+    """A torch module with the reference's weight-norm parametrization, holding g (original0) and v (original1)."""
+    module = torch.nn.utils.parametrizations.weight_norm(module, dim=0)
+    with torch.no_grad():
+        module.parametrizations.weight.original0.copy_(g)
+        module.parametrizations.weight.original1.copy_(v)
+    return module
+
+
+def test_folded_weight_norm_equals_unfolded_modules(codec):
+    state = load_codec_state_dict(CODEC_PTH)
+    x = torch.randn(2, 16, 40)
+    # Decoder transposed conv [in 16, out 8, k 16]: g is per INPUT channel (dim 0).
+    prefix = "decoder.model.2.block.1.conv.parametrizations.weight."
+    g, v = state[prefix + "original0"], state[prefix + "original1"]
+    assert g.shape == (16, 1, 1)
+    reference = weight_normed(torch.nn.ConvTranspose1d(16, 8, 16, stride=8), g, v)
+    reference.bias.data.copy_(state["decoder.model.2.block.1.conv.bias"])
+    folded = codec.decoder.blocks[1].upsample
+    torch.testing.assert_close(folded(x), reference(x)[..., : 40 * 8], atol=1e-6, rtol=0)
+    torch.testing.assert_close(folded.weight, g * v / v.norm(dim=(1, 2), keepdim=True), atol=1e-7, rtol=1e-6)
+    # Encoder conv (k7 dilated 3) of a residual unit: g per output channel.
+    prefix = "encoder.block.3.block.1.block.1.conv."
+    g, v = state[prefix + "parametrizations.weight.original0"], state[prefix + "parametrizations.weight.original1"]
+    reference = weight_normed(torch.nn.Conv1d(16, 16, 7, dilation=3), g, v)
+    reference.bias.data.copy_(state[prefix + "bias"])
+    folded = codec.encoder.blocks[2].residual_units[1].conv1
+    assert isinstance(folded, CausalConv1d)
+    torch.testing.assert_close(folded(x), reference(F.pad(x, (18, 0))), atol=1e-6, rtol=0)
+    torch.testing.assert_close(folded.weight, g * v / v.norm(dim=(1, 2), keepdim=True), atol=1e-7, rtol=1e-6)
+
+
+def test_vq_out_proj_folded_into_table(codec):
+    state = load_codec_state_dict(CODEC_PTH)
+    prefix = "quantizer.quantizer.quantizers.4."
+    out_proj = weight_normed(torch.nn.Conv1d(8, 64, 1), state[prefix + "out_proj.weight_g"],
+                             state[prefix + "out_proj.weight_v"])
+    out_proj.bias.data.copy_(state[prefix + "out_proj.bias"])
+    ids = torch.tensor([[0, 5, 31, 7]])
+    reference = out_proj(F.embedding(ids, state[prefix + "codebook.weight"]).transpose(1, 2))  # [1, 64, 4]
+    vq = codec.quantizer.codebooks[5]
+    assert isinstance(vq, VectorQuantizer) and vq.table.shape == (32, 64)
+    torch.testing.assert_close(vq.decode(ids), reference, atol=1e-6, rtol=0)
+
+
+def test_random_original_state_dict(tiny_config):
+    state = random_original_codec_state_dict(tiny_config, torch.Generator().manual_seed(0))
+    assert {k: tuple(v.shape) for k, v in state.items()} == original_codec_key_shapes(tiny_config)
+    assert all(v.dtype == torch.float32 for v in state.values())
+    alphas = torch.cat([v.flatten() for k, v in state.items() if k.endswith("alpha")])
+    assert 0.5 <= alphas.min() and alphas.max() <= 1.5
+    gains = torch.cat([v.flatten() for k, v in state.items() if k.endswith(("original0", "weight_g"))])
+    assert not torch.isclose(gains, torch.ones(())).any()
+    scales = torch.cat([v for k, v in state.items() if k.endswith("layer_scale.gamma")])
+    assert 0.1 <= scales.min() and scales.max() <= 0.5
+    again = random_original_codec_state_dict(tiny_config, torch.Generator().manual_seed(0))
+    assert all(torch.equal(state[k], again[k]) for k in state)
+    codec = FishDACCodec(tiny_config)
+    codec.load_original_state_dict(state)
+    audio = codec.decode(random_codes(tiny_config, 8))
+    assert torch.isfinite(audio).all()
+    assert 0.05 < audio.std() < 0.7 and (audio.abs() > 0.99).float().mean() < 0.01
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading codec.pth
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_load_wrapped_prefixed_state_dict_with_causal_masks(tmp_path, codec, expected, tiny_config):
+    state = torch.load(CODEC_PTH, weights_only=True)
+    wrapped = {f"generator.{k}": v for k, v in state.items()}
+    wrapped["generator.quantizer.pre_module.causal_mask"] = torch.ones(4, 4, dtype=torch.bool)
+    torch.save({"state_dict": wrapped}, tmp_path / "codec.pth")
+    loaded = FishDACCodec.from_codec_file(tmp_path / "codec.pth", tiny_config)
+    assert torch.equal(loaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+
+
+def test_load_legacy_non_mmap_file(tmp_path):
+    state = torch.load(CODEC_PTH, weights_only=True)
+    torch.save(state, tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    loaded = load_codec_state_dict(tmp_path / "legacy.pth")
+    assert loaded.keys() == state.keys() and all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+def test_missing_key_is_named(tiny_config):
+    state = load_codec_state_dict(CODEC_PTH)
+    del state["decoder.model.3.block.2.block.1.conv.bias"]
+    with pytest.raises(FishDACLoadError, match=r"1 missing keys \['decoder\.model\.3\.block\.2\.block\.1\.conv\.bias'\]"):
+        FishDACCodec(tiny_config).load_original_state_dict(state)
+
+
+def test_unexpected_key_is_named(tiny_config):
+    state = load_codec_state_dict(CODEC_PTH)
+    state["decoder.model.7.alpha"] = torch.ones(1, 1, 1)
+    with pytest.raises(FishDACLoadError, match=r"1 unexpected keys \['decoder\.model\.7\.alpha'\]"):
+        FishDACCodec(tiny_config).load_original_state_dict(state)
+
+
+def test_wrong_shape_is_named(tiny_config):
+    state = load_codec_state_dict(CODEC_PTH)
+    state["quantizer.semantic_quantizer.quantizers.0.codebook.weight"] = torch.zeros(4096, 8)
+    with pytest.raises(FishDACLoadError, match=r"codebook\.weight: expected \[64, 8\], got \[4096, 8\]"):
+        FishDACCodec(tiny_config).load_original_state_dict(state)
+
+
+def test_real_config_refuses_tiny_checkpoint():
+    with torch.device("meta"):
+        codec = FishDACCodec(FishDACConfig())
+    with pytest.raises(FishDACLoadError, match="missing keys"):
+        codec.load_original_state_dict(load_codec_state_dict(CODEC_PTH))
+
+
+class _WritesAFile:
+    """A pickle payload: unpickling it with full pickle would create the file `path`."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+@pytest.mark.parametrize("zip_format", [True, False])
+def test_pickle_payload_is_refused_and_not_run(tmp_path, zip_format):
+    marker = tmp_path / "payload_ran"
+    state = {"decoder.model.5.alpha": torch.ones(1, 2, 1), "evil": _WritesAFile(marker)}
+    torch.save(state, tmp_path / "codec.pth", _use_new_zipfile_serialization=zip_format)
+    assert not marker.exists()
+    with pytest.raises(FishDACLoadError, match="refused"):
+        load_codec_state_dict(tmp_path / "codec.pth")
+    assert not marker.exists()
+
+
+def test_non_state_dict_files_are_refused(tmp_path):
+    (tmp_path / "garbage.pth").write_bytes(b"not a checkpoint")
+    with pytest.raises(FishDACLoadError, match="refused"):
+        load_codec_state_dict(tmp_path / "garbage.pth")
+    torch.save([torch.ones(2)], tmp_path / "list.pth")
+    with pytest.raises(FishDACLoadError, match="does not hold a state dict"):
+        load_codec_state_dict(tmp_path / "list.pth")
+    with pytest.raises(FileNotFoundError):
+        load_codec_state_dict(tmp_path / "absent.pth")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Bad inputs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_wrong_number_of_codebooks(codec):
+    with pytest.raises(ValueError, match=r"\[batch, 10, frames\]"):
+        codec.decode(torch.zeros(1, 9, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[batch, 10, frames\]"):
+        codec.decode(torch.zeros(10, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[batch, 10, frames\]"):
+        codec.stream().decode(torch.zeros(1, 11, 4, dtype=torch.long))
+
+
+def test_negative_and_float_codes(codec):
+    codes = torch.zeros(1, 10, 4, dtype=torch.long)
+    codes[0, 3, 2] = -1
+    with pytest.raises(ValueError, match="non-negative"):
+        codec.decode(codes)
+    with pytest.raises(ValueError, match="non-negative"):
+        codec.stream().decode(codes)
+    with pytest.raises(TypeError, match="integer"):
+        codec.decode(torch.zeros(1, 10, 4))
+
+
+def test_codes_above_codebook_size_are_clamped(codec, tiny_config):
+    codes = random_codes(tiny_config, 4)
+    codes[0, 0, 0], codes[0, 2, 1] = 63, 31  # last entries of the semantic (64) and residual (32) codebooks
+    big = codes.clone()
+    big[0, 0, 0], big[0, 2, 1] = 10_000, 500
+    assert torch.equal(codec.decode(big), codec.decode(codes))
+
+
+@pytest.fixture
+def encoder_guard(codec, monkeypatch):
+    """Fails the test if the encoder network runs (bad audio must be refused before any heavy work)."""
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the encoder ran on invalid audio")
+
+    monkeypatch.setattr(codec.encoder, "forward", forbidden)
+    return codec
+
+
+@pytest.mark.parametrize(
+    ("audio", "error", "match"),
+    [
+        (torch.zeros(0), ValueError, "empty"),
+        (torch.zeros(2, 0), ValueError, "empty"),
+        (torch.tensor([0.1, float("nan"), 0.2] * 100), ValueError, "NaN or infinite"),
+        (torch.tensor([0.1, float("inf"), 0.2] * 100), ValueError, "NaN or infinite"),
+        (torch.zeros(4096, dtype=torch.int16), TypeError, "floating point"),
+        (np.zeros(4096, dtype=np.int32), TypeError, "floating point"),
+        (torch.zeros(4096, 2), ValueError, r"\[samples, channels\]"),
+        (torch.zeros(1, 1, 1, 4096), ValueError, "must be"),
+        ("not audio", TypeError, "torch.Tensor or numpy"),
+    ],
+)
+def test_bad_audio_is_refused_before_encoding(encoder_guard, audio, error, match):
+    with pytest.raises(error, match=match):
+        encoder_guard.encode(audio, 44100)
+
+
+@pytest.mark.parametrize("rate", [0, -44100, 44100.0, None])
+def test_bad_sampling_rate(encoder_guard, rate):
+    with pytest.raises(ValueError, match="sampling_rate"):
+        encoder_guard.encode(torch.zeros(4096), rate)
+
+
+def test_stereo_is_averaged_to_mono(codec, expected):
+    mono = expected["codec_input_audio"][:8192]
+    stereo = torch.stack([2 * mono, torch.zeros_like(mono)])[None]  # [batch 1, channels 2, samples]; mean is exact
+    assert torch.equal(codec.encode(stereo, 44100), codec.encode(mono, 44100))
+    assert torch.equal(codec.encode(mono.numpy(), 44100), codec.encode(mono[None], 44100))
+
+
+def test_encode_shape_pads_to_whole_frames(codec):
+    audio = 0.1 * torch.randn(2, 3 * 2048 + 1, generator=torch.Generator().manual_seed(0))
+    assert codec.encode(audio, 44100).shape == (2, 10, 4)
+
+
+def test_other_sample_rate_is_resampled(codec, expected):
+    audio = expected["codec_input_audio"][:16384]
+    at_48k = resample_audio(audio, 44100, 48000)
+    assert at_48k.shape == (math.ceil(16384 * 48000 / 44100),)
+    back = resample_audio(at_48k, 48000, 44100)
+    assert back.shape == (16385,)  # ceil(17834 * 44100 / 48000)
+    codes = codec.encode(at_48k, sampling_rate=48000)
+    assert codes.shape == (1, 10, 9)
+    assert torch.equal(codes, codec.encode(back, 44100))
+
+
+def sine(frequency, rate, samples, phase=0.3):
+    return torch.sin(2 * math.pi * frequency * torch.arange(samples, dtype=torch.float64) / rate + phase)
+
+
+@pytest.mark.parametrize(("orig", "target"), [(48000, 44100), (22050, 44100), (16000, 44100), (44100, 24000)])
+def test_resampler_keeps_in_band_tones(orig, target):
+    tone = sine(1000.0, orig, orig // 4) + 0.5 * sine(3100.0, orig, orig // 4)
+    out = resample_audio(tone.float(), orig, target)
+    samples = math.ceil(tone.shape[0] * target / orig)
+    ideal = sine(1000.0, target, samples) + 0.5 * sine(3100.0, target, samples)
+    assert out.shape == (samples,) and out.dtype == torch.float32
+    edge = target // 100  # the filter sees zeros beyond the ends
+    torch.testing.assert_close(out[edge:-edge].double(), ideal[edge:-edge], atol=2e-3, rtol=0)
+
+
+def test_resampler_removes_tones_above_the_new_nyquist():
+    tone = sine(23500.0, 48000, 12000).float()  # above 22050 Hz: must not alias into the 44.1 kHz output
+    out = resample_audio(tone, 48000, 44100)
+    assert out[500:-500].abs().max() < 5e-3
+
+
+def test_resampler_batches_and_identity():
+    audio = torch.randn(3, 2, 1000)
+    assert resample_audio(audio, 44100, 44100) is audio
+    out = resample_audio(audio, 32000, 44100)
+    assert out.shape == (3, 2, math.ceil(1000 * 44100 / 32000))
+    torch.testing.assert_close(out[1, 0], resample_audio(audio[1, 0], 32000, 44100))
+
+
+def test_pickle_marker_helper_really_writes(tmp_path):
+    """Sanity check of the payload used above: full (unsafe) unpickling does create the file."""
+    import pickle
+
+    marker = tmp_path / "ran"
+    pickle.loads(pickle.dumps(_WritesAFile(marker))).close()
+    assert os.path.exists(marker)

@@ -546,6 +546,32 @@ def test_split_text_property(turns, max_bytes, max_speakers):
     assert _speaker_words(chunks) == _speaker_words([flat])
 
 
+_ROUGH = ["[", "]", "<whisper>", "</whisper>", "<b>", "<|speaker:1|>", "<|speaker:12|>", "<|x|>", ".", ",", "!",
+          " ", " ", "\n", "\u3000", "word", "longerword", "日本", "é", "a"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(parts=st.lists(st.sampled_from(_ROUGH), min_size=1, max_size=80), max_bytes=st.integers(32, 90))
+def test_split_text_rough_input_property(parts, max_bytes):
+    """Any mix of tags, brackets and marks: spans stay whole, tags lead, nothing is lost or reordered."""
+    text = "".join(parts)
+    try:
+        chunks = split_text(text, max_bytes=max_bytes)
+    except ValueError:
+        assert not re.sub(rf"{SPEAKER_TAG.pattern}|[{re.escape(WHITE_SPACE)}]", "", text)
+        return
+    assert all(SPEAKER_TAG.match(chunk) for chunk in chunks)
+    flat = text.replace("\n", " ")
+    for span in re.finditer(r"\[[^\[\]]*\]|<whisper>.*?</whisper>|<\|x\|>|<b>", flat):
+        if not SPEAKER_TAG.search(span.group(0)):
+            assert any(span.group(0) in chunk for chunk in chunks), span.group(0)
+
+    def content(s):
+        return re.sub(rf"{SPEAKER_TAG.pattern}|[{re.escape(WHITE_SPACE)}]", "", s)
+
+    assert content("".join(chunks)) == content(text)
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Frames -> audio -> files
 # ------------------------------------------------------------------------------------------------------------

@@ -301,8 +301,9 @@ class Drama3Processor(ProcessorMixin):
         for marker in (*STRUCTURAL_TOKENS, SEMANTIC_PREFIX, *self._refused_strings):
             position = text.find(marker)
             if position >= 0:
+                quoted = _excerpt(text, position) if marker.startswith("<|") else marker
                 raise ValueError(
-                    f"{where} contains the control token {_excerpt(text, position)!r} (at character {position}); "
+                    f"{where} contains the control token {quoted!r} (at character {position}); "
                     f"control tokens are written by the processor and are not allowed in caller text"
                 )
         for match in re.finditer(r"<\|speaker", text):

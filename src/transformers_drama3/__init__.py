@@ -1,9 +1,36 @@
 """Fish Audio Drama 3 for Hugging Face transformers.
 
-Importing this package registers the Drama 3 classes with transformers' Auto classes (idempotently), so that
-`AutoConfig`, `AutoModel`, `AutoProcessor` and `pipeline("text-to-speech")` find them.
+Importing this package registers the Drama 3 classes with transformers (idempotently: importing twice, or
+reloading, does not fail): the config with `AutoConfig`, the model with `AutoModel` and
+`AutoModelForTextToWaveform`, the `bsgemm-moe` FP8 quantization method, and the original checkpoint names.
 """
 
-from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
+from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
 
-__all__ = ["Drama3ConfigError", "Drama3TowerConfig", "FishDACConfig", "FishOmniConfig"]
+from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
+from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
+from .modeling_drama3 import FishOmniForSpeech, FishOmniPreTrainedModel
+from .quantization_bsgemm import register_bsgemm_moe
+
+
+def _register() -> None:
+    register_bsgemm_moe()
+    register_checkpoint_mapping()
+    AutoConfig.register(FishOmniConfig.model_type, FishOmniConfig, exist_ok=True)
+    AutoConfig.register(Drama3TowerConfig.model_type, Drama3TowerConfig, exist_ok=True)
+    AutoConfig.register(FishDACConfig.model_type, FishDACConfig, exist_ok=True)
+    AutoModel.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
+    AutoModelForTextToWaveform.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
+
+
+_register()
+
+__all__ = [
+    "Drama3CheckpointError",
+    "Drama3ConfigError",
+    "Drama3TowerConfig",
+    "FishDACConfig",
+    "FishOmniConfig",
+    "FishOmniForSpeech",
+    "FishOmniPreTrainedModel",
+]

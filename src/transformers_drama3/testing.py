@@ -1,0 +1,251 @@
+"""Tiny random Drama 3 checkpoints in the original layout, for tests, demos and benchmarks.
+
+`write_tiny_checkpoint(path)` writes what `fishaudio/drama-3` ships, at toy size: config.json in the original
+schema (`fish_omni_text` text config, `bsgemm-moe` quantization), sharded safetensors with the original tensor
+names and FP8 routed experts (one tensor per expert, float32 `weight_scale_inv` per 128 x 128 block), `codec.pth`
+with weight-norm parametrisation keys, and a byte-level BPE tokenizer with every special token. The loader accepts
+it exactly like the real checkpoint.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import shutil
+import tempfile
+
+import torch
+from huggingface_hub import split_torch_state_dict_into_shards
+from safetensors.torch import save_file
+
+from .checkpoint_mapping import FP8_BLOCK, expected_original_tensors
+from .configuration_drama3 import FishOmniConfig, _merge
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+STRUCTURAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>"]
+NUM_SPEAKERS = 16
+BPE_VOCAB = 400
+
+# The embedded default: the geometry of `shared/golden/tiny` (about 20 MB), original config.json schema.
+TINY_CONFIG = {
+    "architectures": ["FishOmniModel"],
+    "model_type": "fish_omni",
+    "fish_schema_version": 1,
+    "speech_template_version": "reference-bracket-v1",
+    "tie_word_embeddings": False,
+    "dtype": "bfloat16",
+    "quantization_config": {"quant_method": "bsgemm-moe", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+    "text_config": {
+        "model_type": "fish_omni_text",
+        "vocab_size": 512,
+        "hidden_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 128,
+        "linear_num_key_heads": 1,
+        "linear_key_head_dim": 64,
+        "linear_num_value_heads": 2,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 128,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 4096,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+        "hidden_act": "silu",
+        "rotary_interleaved": False,
+        "use_qk_norm": True,
+        "attn_output_gate": True,
+        "layernorm_zero_centered_gamma": True,
+        "shared_expert_gate": True,
+    },
+    "audio_decoder_config": {
+        "model_type": "fish_qwen3_audio_decoder",
+        "decoder_type": "codebook_mtp_shared",
+        "dim": 256,
+        "text_dim": 256,
+        "n_head": 2,
+        "n_local_heads": 1,
+        "head_dim": 128,
+        "n_layer": 2,
+        "shared_enrichment_layers": 2,
+        "intermediate_size": 384,
+        "norm_eps": 1e-6,
+        "num_codebooks": 10,
+        "vocab_size": 64,
+        "max_seq_len": 11,
+        "rope_base": 1e7,
+        "rotary_percent": 0.25,
+        "rotary_interleaved": True,
+        "attention_output_gate": True,
+        "attention_qk_norm": False,
+        "layernorm_zero_centered_gamma": True,
+        "vq_feature_scope": "all_vq",
+        "vq_feature_placement": "backbone_partial",
+        "vq_backbone_codebooks": 1,
+    },
+    "codec_config": {
+        "encoder_dim": 4,
+        "latent_dim": 64,
+        "decoder_dim": 32,
+        "encoder_transformer_layers": [0, 0, 0, 1],
+        "quantizer": {
+            "input_dim": 64,
+            "codebook_size": 32,
+            "semantic_codebook_size": 64,
+            "transformer": {"n_layer": 2, "n_head": 4, "dim": 64, "head_dim": 16, "intermediate_size": 128},
+        },
+    },
+}
+
+_TRAINING_TEXT = (
+    "Hello there, how are you today? The quick brown fox jumps over the lazy dog. Did you hear that? "
+    "Hear what? I heard nothing at all. This is my voice, recorded on a quiet afternoon. Good morning, everyone. "
+    "Nice to meet you. Thanks for waiting, we can start now. Speech is sound shaped by words; a voice carries "
+    "feeling, rhythm and breath. She whispered softly, then laughed out loud! Numbers: one, two, three, 1 2 3. "
+)
+
+
+def tiny_config_dict(**overrides) -> dict:
+    """The original-schema config.json of a tiny checkpoint; nested dicts in `overrides` merge key by key."""
+    return _merge(TINY_CONFIG, overrides)
+
+
+def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, max_shard_size: str = "10MB", **overrides) -> str:
+    """Write a random Drama 3 checkpoint in the original layout to `path` and return the path.
+
+    `overrides` update the config (e.g. `audio_decoder_config={"vq_backbone_codebooks": 2}`); the semantic band
+    and EOS ids follow from the tokenizer, which has `audio_decoder_config.vocab_size` semantic tokens.
+    """
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    config_dict = tiny_config_dict(**overrides)
+    tokenizer = _build_tokenizer(config_dict["audio_decoder_config"]["vocab_size"])
+    vocab = tokenizer.get_vocab()
+    config_dict["semantic_start_token_id"] = vocab["<|semantic:0|>"]
+    config_dict["semantic_end_token_id"] = vocab[f"<|semantic:{config_dict['audio_decoder_config']['vocab_size'] - 1}|>"]
+    config_dict["eos_token_id"] = vocab["<|im_end|>"]
+    text_vocab = config_dict["text_config"]["vocab_size"]
+    if len(vocab) > text_vocab:
+        config_dict["text_config"]["vocab_size"] = 64 * math.ceil(len(vocab) / 64)
+    config = FishOmniConfig(**copy.deepcopy(config_dict))  # validates before anything is written
+
+    generator = torch.Generator().manual_seed(seed)
+    tensors = _random_original_tensors(config, generator)
+    _save_sharded(tensors, path, max_shard_size)
+    from .modeling_codec import random_original_codec_state_dict
+
+    torch.save(random_original_codec_state_dict(config.codec_config, generator), os.path.join(path, "codec.pth"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_dict, f, indent=2)
+    _save_tokenizer(tokenizer, path)
+    return path
+
+
+def _random_original_tensors(config: FishOmniConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Random tensors for every original name: bf16 dense weights, FP8 experts with block scales.
+
+    Zero-centred norm weights are small random values (std 0.15) so that a missing `1 +` is caught; the
+    gated-DeltaNet output norm (a plain gain) is around 1.
+    """
+    from .modeling_drama3 import FishOmniForSpeech
+
+    with torch.device("meta"):
+        skeleton = FishOmniForSpeech(config)
+    fp8 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bsgemm-moe"
+    shapes = expected_original_tensors(skeleton, fp8_experts=fp8)
+    tensors = {}
+    for name, shape in shapes.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if ".mlp.experts." in name and fp8:
+            weight = torch.randn(shape, generator=generator) * 0.05
+            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blockwise(weight)
+        else:
+            tensors[name] = _random_dense(name, shape, generator).to(torch.bfloat16)
+    return tensors
+
+
+def _random_dense(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    if name.endswith("linear_attn.norm.weight"):
+        return 1.0 + 0.1 * torch.randn(shape, generator=generator)
+    if name.endswith("A_log"):
+        return torch.rand(shape, generator=generator) * 2.0 - 1.0
+    if name.endswith("dt_bias"):
+        return torch.randn(shape, generator=generator) * 0.5
+    if len(shape) == 1 and name.endswith(".weight"):  # every other 1-D weight is a zero-centred norm
+        return 0.15 * torch.randn(shape, generator=generator)
+    fan_in = shape[-1] if len(shape) > 1 else 1
+    std = 1.0 if "embed" in name or "embedding" in name else 1.0 / math.sqrt(fan_in)
+    return std * torch.randn(shape, generator=generator)
+
+
+def quantize_fp8_blockwise(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight [out, in]` -> (`float8_e4m3fn [out, in]`, float32 `scale_inv [ceil(out/block), ceil(in/block)]`)
+    with `weight ≈ fp8 * scale_inv[i // block, j // block]` (SPEC 2.3)."""
+    rows, cols = weight.shape
+    grid = (math.ceil(rows / block), math.ceil(cols / block))
+    padded = torch.zeros(grid[0] * block, grid[1] * block)
+    padded[:rows, :cols] = weight.float()
+    blocks = padded.view(grid[0], block, grid[1], block)  # [row blocks, block, col blocks, block]
+    scale_inv = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX  # [row blocks, col blocks]
+    quantized = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX)
+    quantized = quantized.view_as(padded)[:rows, :cols].to(torch.float8_e4m3fn)
+    return quantized.contiguous(), scale_inv.float()
+
+
+def _save_sharded(tensors: dict[str, torch.Tensor], path: str, max_shard_size: str) -> None:
+    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
+    for filename, names in split.filename_to_tensors.items():
+        save_file({name: tensors[name].contiguous() for name in names}, os.path.join(path, filename),
+                  metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump(index, f, indent=2)
+
+
+def _build_tokenizer(num_semantic: int):
+    """A byte-level BPE tokenizer (400 tokens trained on a short English text) plus every Drama 3 special token."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=BPE_VOCAB, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tokenizer.train_from_iterator([_TRAINING_TEXT] * 4, trainer=trainer)
+    specials = STRUCTURAL_TOKENS + [f"<|speaker:{i}|>" for i in range(NUM_SPEAKERS)]
+    specials += [f"<|semantic:{i}|>" for i in range(num_semantic)]
+    tokenizer.add_special_tokens(specials)
+    return tokenizer
+
+
+def _save_tokenizer(tokenizer, path: str) -> None:
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", model_max_length=4096,
+                                   clean_up_tokenization_spaces=False)
+    fast.save_pretrained(path)
+
+
+def default_tiny_checkpoint(seed: int = 0) -> str:
+    """Path of the embedded default checkpoint, written once per seed into the temp directory and reused."""
+    path = os.path.join(tempfile.gettempdir(), f"transformers-drama3-tiny-seed{seed}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        staging = tempfile.mkdtemp(prefix="drama3-tiny-", dir=tempfile.gettempdir())
+        write_tiny_checkpoint(staging, seed=seed)
+        try:
+            os.replace(staging, path)
+        except OSError:  # another process finished first: keep theirs
+            shutil.rmtree(staging, ignore_errors=True)
+    return path
+
+
+__all__ = ["TINY_CONFIG", "default_tiny_checkpoint", "quantize_fp8_blockwise", "tiny_config_dict", "write_tiny_checkpoint"]

@@ -109,13 +109,9 @@ def test_token_ids_come_from_the_tokenizer(processor, cases):
 
 
 def test_save_pretrained_and_auto_processor_round_trip(processor, tmp_path, cases, expected):
-    # Registration normally happens on `import transformers_drama3`; guarded for when it is not there yet.
-    for register in (lambda: AutoConfig.register("fish_omni", FishOmniConfig),
-                     lambda: AutoProcessor.register(FishOmniConfig, Drama3Processor)):
-        try:
-            register()
-        except ValueError:  # already registered
-            pass
+    # `import transformers_drama3` registers these; repeated here (idempotently) in case it does not yet.
+    AutoConfig.register("fish_omni", FishOmniConfig, exist_ok=True)
+    AutoProcessor.register(FishOmniConfig, Drama3Processor, exist_ok=True)
     changed = Drama3Processor(processor.tokenizer, max_reference_seconds=30.0)
     changed.save_pretrained(tmp_path)
     assert (tmp_path / "processor_config.json").is_file()

@@ -49,7 +49,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     return path
 
 
-@dataclass
+@dataclass(eq=False)  # codes are a tensor: no elementwise-ambiguous __eq__
 class Drama3Voice:
     """A reusable voice: codec codes `[num_codebooks, frames]` and the transcript spoken in them.
 

@@ -649,11 +649,10 @@ def test_save_audio_is_atomic(processor, tmp_path, monkeypatch):
 
 
 def _tiny_codec():
-    modeling_codec = pytest.importorskip("transformers_drama3.modeling_codec")
-    if not hasattr(modeling_codec, "FishDACCodec"):
-        pytest.skip("FishDACCodec is not available")
+    from transformers_drama3.modeling_codec import FishDACCodec
+
     config = FishOmniConfig.from_pretrained(GOLDEN_TINY)
-    return modeling_codec.FishDACCodec.from_codec_file(GOLDEN_TINY / "codec.pth", config.codec_config)
+    return FishDACCodec.from_codec_file(GOLDEN_TINY / "codec.pth", config.codec_config)
 
 
 def test_with_fish_dac_codec(processor, expected, tmp_path):

@@ -5,12 +5,16 @@ reloading, does not fail): the config with `AutoConfig`, the model with `AutoMod
 `AutoModelForTextToWaveform`, the `bsgemm-moe` FP8 quantization method, and the original checkpoint names.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform
+from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform, AutoProcessor
 
 from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
 from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
-from .modeling_drama3 import FishOmniForSpeech, FishOmniPreTrainedModel
+from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
+from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
+from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
+from .processing_drama3 import Drama3Processor, split_text
 from .quantization_bsgemm import register_bsgemm_moe
+from .voice import Drama3Voice
 
 
 def _register() -> None:
@@ -21,16 +25,26 @@ def _register() -> None:
     AutoConfig.register(FishDACConfig.model_type, FishDACConfig, exist_ok=True)
     AutoModel.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
     AutoModelForTextToWaveform.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
+    AutoProcessor.register(FishOmniConfig, Drama3Processor, exist_ok=True)
 
 
 _register()
 
 __all__ = [
     "Drama3CheckpointError",
+    "Drama3CodebookTower",
     "Drama3ConfigError",
+    "Drama3Processor",
+    "Drama3SpeechOutput",
+    "Drama3TowerCache",
     "Drama3TowerConfig",
+    "Drama3Voice",
+    "FishDACCodec",
     "FishDACConfig",
+    "FishDACDecoder",
+    "FishDACEncoder",
     "FishOmniConfig",
     "FishOmniForSpeech",
     "FishOmniPreTrainedModel",
+    "split_text",
 ]

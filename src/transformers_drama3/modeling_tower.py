@@ -156,6 +156,30 @@ class Drama3TowerCache(Cache):
         num_layers = config.shared_enrichment_layers + config.num_codebooks - 1
         super().__init__(layers=[Drama3TowerCacheLayer(max_length, chunk_size) for _ in range(num_layers)])
         self.max_length = max_length
+        # The last row seen by a teacher-forced model pass whose label (the next row) has not arrived yet:
+        # (hidden [B, 1, D], frame [B, 1, 1 + NCB], position [B, 1]), or None. `FishOmniForSpeech.forward` runs the
+        # tower on it when the next rows come, so that incremental passes equal one full pass.
+        self.pending_row: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        super().reset()
+        self.pending_row = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._select_pending(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._select_pending(lambda t: t[indices.to(t.device)])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._select_pending(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def _select_pending(self, select: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        if self.pending_row is not None:
+            self.pending_row = tuple(select(t) for t in self.pending_row)
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -66,7 +66,11 @@ def main(argv: list[str] | None = None) -> int:
     from .testing import default_tiny_checkpoint
 
     path = args.model or default_tiny_checkpoint()
-    model = FishOmniForSpeech.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    try:
+        model = FishOmniForSpeech.from_pretrained(path, dtype=getattr(torch, args.dtype))
+    except (OSError, ValueError) as error:  # missing files, bad config or checkpoint, unknown repository
+        print(f"drama3-tts: cannot load {path!r}: {error}", file=sys.stderr)
+        return 1
     print(f"loaded {path}")
     print(model_summary(model))
     return 0

@@ -28,6 +28,7 @@ from .checkpoint_mapping import (
     expected_original_tensors,
 )
 from .configuration_drama3 import FishOmniConfig
+from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, load_codec_state_dict
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache, Drama3ZeroCenteredNorm
 from .quantization_bsgemm import BSGEMM_MOE
@@ -86,7 +87,7 @@ class FishOmniPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, std)
 
 
-class FishOmniForSpeech(FishOmniPreTrainedModel):
+class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
     """Drama 3 text-to-speech: frame rows in, main-token and codebook logits out (generation and audio build on it).
 
     Modules: `backbone` (Qwen3.5-MoE text model), `lm_head` (only the EOS + semantic-band rows are ever used),
@@ -100,6 +101,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tower = Drama3CodebookTower(config.audio_decoder_config, config.semantic_start_token_id)
         self.codec = FishDACCodec(config.codec_config)
+        self._init_generation_config()
         self.post_init()
 
     def main_candidate_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -142,13 +142,12 @@ def test_streaming_is_exact_across_windows(small_window_codec, sizes):
 
 
 def test_streaming_one_frame_chunks_and_bounded_state(small_window_codec):
-    codes = random_codes(small_window_codec.config, 16, seed=3)
-    stream, sizes = small_window_codec.stream(), []
-    pieces = []
-    for frame in range(16):
+    codes = random_codes(small_window_codec.config, 10, seed=3)
+    stream, sizes, pieces = small_window_codec.stream(), [], []
+    for frame in range(10):
         pieces.append(stream.decode(codes[..., frame : frame + 1]))
         sizes.append(stream.state_size())
-    assert stream.frames_decoded == 16
+    assert stream.frames_decoded == 10
     assert torch.equal(torch.cat(pieces, -1), small_window_codec.decode(codes))
     # The KV cache fills up to window - 1 = 2 frames, then the carried state stops growing.
     assert len(set(sizes[2:])) == 1
@@ -159,6 +158,45 @@ def test_stream_rejects_batch_change(codec, tiny_config):
     stream.decode(random_codes(tiny_config, 1, batch=2))
     with pytest.raises(ValueError, match="batch"):
         stream.decode(random_codes(tiny_config, 1, batch=1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_golden_and_streaming(tiny_config, expected):
+    """On CUDA the codec keeps TF32 off (even where the global flags allow it) and matches the golden outputs."""
+    codec = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config).cuda()
+    torch.backends.cudnn.allow_tf32 = True
+    codes = expected["codec_codes"][None].cuda()
+    audio = codec.decode(codes)
+    assert audio.device.type == "cuda" and torch.backends.cudnn.allow_tf32
+    torch.testing.assert_close(audio[0].cpu(), expected["codec_audio"], atol=1e-4, rtol=0)
+    encoded = codec.encode(expected["codec_input_audio"].cuda(), 44100)
+    assert torch.equal(encoded[0].cpu(), expected["codec_encoded"])
+    torch.testing.assert_close(chunked_decode(codec, codes, [1, 0, 4, 7]), audio, atol=5e-5, rtol=0)
+    at_48k = resample_audio(expected["codec_input_audio"].cuda(), 44100, 48000)
+    torch.testing.assert_close(at_48k.cpu(), resample_audio(expected["codec_input_audio"], 44100, 48000),
+                               atol=1e-5, rtol=0)
+
+
+def test_tf32_is_off_while_the_codec_runs_and_restored(codec, expected, monkeypatch):
+    seen = []
+    forward = codec.decoder.forward
+
+    def spy(*args, **kwargs):
+        seen.append((torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(codec.decoder, "forward", spy)
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        codec.decode(expected["codec_codes"][None, :, :1])
+        codec.allow_tf32 = True
+        codec.stream().decode(expected["codec_codes"][None, :, :1])
+        assert seen == [(False, False), (True, True)]
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+    finally:
+        codec.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def test_windowed_attention_matches_masked_full_attention():
@@ -431,6 +469,7 @@ def encoder_guard(codec, monkeypatch):
     [
         (torch.zeros(0), ValueError, "empty"),
         (torch.zeros(2, 0), ValueError, "empty"),
+        (torch.zeros(1, 0, 4096), ValueError, "empty"),
         (torch.tensor([0.1, float("nan"), 0.2] * 100), ValueError, "NaN or infinite"),
         (torch.tensor([0.1, float("inf"), 0.2] * 100), ValueError, "NaN or infinite"),
         (torch.zeros(4096, dtype=torch.int16), TypeError, "floating point"),
@@ -493,6 +532,11 @@ def test_resampler_removes_tones_above_the_new_nyquist():
     tone = sine(23500.0, 48000, 12000).float()  # above 22050 Hz: must not alias into the 44.1 kHz output
     out = resample_audio(tone, 48000, 44100)
     assert out[500:-500].abs().max() < 5e-3
+
+
+def test_resampler_rejects_bad_rates():
+    with pytest.raises(ValueError, match="positive"):
+        resample_audio(torch.zeros(100), 0, 44100)
 
 
 def test_resampler_batches_and_identity():

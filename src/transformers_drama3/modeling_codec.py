@@ -19,6 +19,8 @@ which folds weight norm and the VQ output projections once; the folded codec sav
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import pickle
 from collections.abc import Callable, Iterator
@@ -53,15 +55,15 @@ class Snake(nn.Module):
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
     def forward(self, x: Tensor) -> Tensor:  # [batch, channels, time]
-        # Same operation order as the reference (reciprocal of alpha + 1e-9, then multiply).
-        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+        # The reference's operations in its order (bit-identical), in place on one fresh tensor: 1.5x faster.
+        return torch.mul(self.alpha, x).sin_().square_().mul_((self.alpha + 1e-9).reciprocal()).add_(x)
 
 
 class CausalConv1d(nn.Module):
     """Conv1d that sees only past inputs: `ke - stride` zeros on the left, then right zeros up to a stride multiple.
 
-    Output step `t` depends on inputs up to `t * stride + stride - 1`, so a stride-1 conv streams by carrying its
-    last `ke - 1` inputs (`state`).
+    Output step `t` depends on inputs up to `t * stride + stride - 1`, so the conv streams by carrying its last
+    `ke - stride` inputs (`state`), given chunks of whole strides (the decoder's convs all have stride 1).
     """
 
     def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, dilation: int = 1,
@@ -75,10 +77,9 @@ class CausalConv1d(nn.Module):
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:
         # x: [batch, in_channels, time] -> [batch, out_channels, ceil(time / stride)]
         if state is None:
-            x = F.pad(x, (self.context, -x.shape[-1] % self.stride))
-        else:
-            if self.stride != 1:
-                raise NotImplementedError("only stride-1 causal convs are streamed (the decoder has no other)")
+            padding = (self.context, -x.shape[-1] % self.stride)
+            x = F.pad(x, padding) if any(padding) else x
+        elif self.context:
             history = state.get(self)
             if history is None:
                 history = x.new_zeros(x.shape[0], x.shape[1], self.context)
@@ -129,7 +130,7 @@ class ResidualUnit(nn.Module):
     def forward(self, x: Tensor, state: StreamState | None = None) -> Tensor:  # [batch, channels, time]
         y = self.conv1(self.snake1(x), state)
         y = self.conv2(self.snake2(y), state)
-        return x + y  # stride-1 causal convs keep the length, so no cropping is needed
+        return y.add_(x)  # x + y; stride-1 causal convs keep the length, so no cropping is needed
 
 
 class ConvNeXtBlock(nn.Module):
@@ -474,6 +475,8 @@ def resample_audio(audio: Tensor, orig_rate: int, target_rate: int) -> Tensor:
     (cutoff 0.945 of the lower Nyquist frequency, 32 zero crossings per side, beta 10). Computed in float64;
     the output has `ceil(samples * target_rate / orig_rate)` samples and the input's dtype.
     """
+    if orig_rate <= 0 or target_rate <= 0:
+        raise ValueError(f"sample rates must be positive, got {orig_rate} -> {target_rate}")
     if orig_rate == target_rate:
         return audio
     divisor = math.gcd(orig_rate, target_rate)
@@ -533,6 +536,8 @@ def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
         )
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
         raise ValueError(f"sampling_rate must be a positive integer (Hz), got {sampling_rate!r}")
+    if audio.numel() == 0:
+        raise ValueError(f"audio is empty (shape {list(audio.shape)})")
     if audio.ndim == 1:
         audio = audio[None]
     elif audio.ndim == 2:
@@ -545,8 +550,6 @@ def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
         audio = audio.mean(dim=1)  # [batch, channels, samples] -> [batch, samples]
     else:
         raise ValueError(f"audio must be [samples], [batch, samples] or [batch, channels, samples], got {list(audio.shape)}")
-    if audio.shape[0] == 0 or audio.shape[-1] == 0:
-        raise ValueError(f"audio is empty (shape {list(audio.shape)})")
     if not bool(torch.isfinite(audio).all()):
         raise ValueError("audio contains NaN or infinite samples")
     return audio
@@ -557,17 +560,46 @@ def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
 # --------------------------------------------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def _float32_precision(allow_tf32: bool) -> Iterator[None]:
+    """Let CUDA convolutions and matmuls use TF32 only if `allow_tf32`; the global flags are restored afterwards.
+
+    PyTorch lets cuDNN run float32 convolutions in TF32 by default (~1e-3 relative error), which is enough to
+    move encoder codes; the codec is precision-sensitive, so it runs in true float32 unless told otherwise.
+    """
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+def _codec_inference(method: Callable) -> Callable:
+    """Run a codec method without autograd and at the codec's float32 precision (`allow_tf32`)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        codec = self if isinstance(self, FishDACCodec) else self.codec
+        with torch.no_grad(), _float32_precision(codec.allow_tf32):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class FishDACCodec(nn.Module):
     """The whole codec: `encode` (audio -> codes), `decode` (codes -> audio) and `stream()` (chunked decode).
 
     Build it from a `FishDACConfig` (weights start at zero) and load `codec.pth` with `from_codec_file` or
     `load_original_state_dict`. It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always
-    returned as float32.
+    returned as float32. On CUDA it also keeps TF32 off while it runs; set `allow_tf32 = True` to trade precision
+    for speed.
     """
 
     def __init__(self, config: FishDACConfig):
         super().__init__()
         self.config = config
+        self.allow_tf32 = False
         self.encoder = FishDACEncoder(config)
         self.quantizer = FishDACQuantizer(config)
         self.decoder = FishDACDecoder(config)
@@ -583,7 +615,7 @@ class FishDACCodec(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.decoder.output_conv.weight.dtype
 
-    @torch.no_grad()
+    @_codec_inference
     def decode(self, codes: Tensor) -> Tensor:
         """codes `[batch, num_codebooks, frames]` -> float32 audio `[batch, frames * frame_length]` in [-1, 1].
 
@@ -594,7 +626,7 @@ class FishDACCodec(nn.Module):
             return torch.zeros(codes.shape[0], 0, device=codes.device)
         return self.decoder(self.quantizer.decode(codes))[:, 0].float()
 
-    @torch.no_grad()
+    @_codec_inference
     def encode(self, audio: Tensor, sampling_rate: int) -> Tensor:
         """Float audio -> codes `[batch, num_codebooks, ceil(samples / frame_length)]` (SPEC 8.3).
 
@@ -648,7 +680,7 @@ class FishDACStreamingDecoder:
         self._state: StreamState = {}
         self._batch_size: int | None = None
 
-    @torch.no_grad()
+    @_codec_inference
     def decode(self, codes: Tensor) -> Tensor:
         """codes `[batch, num_codebooks, n]` -> float32 audio `[batch, n * frame_length]` continuing the stream."""
         codes = _check_codes(codes, self.codec.quantizer.codebook_sizes)

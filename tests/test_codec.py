@@ -151,6 +151,9 @@ def test_streaming_one_frame_chunks_and_bounded_state(small_window_codec):
     assert torch.equal(torch.cat(pieces, -1), small_window_codec.decode(codes))
     # The KV cache fills up to window - 1 = 2 frames, then the carried state stops growing.
     assert len(set(sizes[2:])) == 1
+    stream.reset()
+    assert stream.frames_decoded == 0 and stream.state_size() == 0
+    assert torch.equal(stream.decode(codes[..., :3]), torch.cat(pieces[:3], -1))
 
 
 def test_stream_rejects_batch_change(codec, tiny_config):

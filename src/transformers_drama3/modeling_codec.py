@@ -590,7 +590,7 @@ def _codec_inference(method: Callable) -> Callable:
 class FishDACCodec(nn.Module):
     """The whole codec: `encode` (audio -> codes), `decode` (codes -> audio) and `stream()` (chunked decode).
 
-    Build it from a `FishDACConfig` (weights start at zero) and load `codec.pth` with `from_codec_file` or
+    Build it from a `FishDACConfig` (placeholder weights: zeros and ones) and load `codec.pth` with `from_codec_file` or
     `load_original_state_dict`. It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always
     returned as float32. On CUDA it also keeps TF32 off while it runs; set `allow_tf32 = True` to trade precision
     for speed.
@@ -696,7 +696,7 @@ class FishDACStreamingDecoder:
 
     def reset(self) -> None:
         """Forget the carried state, to start a new stream."""
-        self.__init__(self.codec)
+        self.frames_decoded, self._state, self._batch_size = 0, {}, None
 
     def state_size(self) -> int:
         """Number of carried tensor elements (bounded; does not grow with the frames decoded)."""

@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import soundfile
 import torch
 from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
@@ -57,6 +56,14 @@ REFERENCE_INSTRUCTION = "convert the provided text to speech reference to the fo
 TURN_END = "<|im_end|>\n"
 USER_START = "<|im_start|>user\n"
 VOICE_START = "<|im_start|>assistant\n<|voice|>"
+
+
+def _soundfile():
+    """soundfile (libsndfile), imported on first use: importing the package needs no audio I/O library."""
+    import soundfile
+
+    return soundfile
+
 
 # save_audio: file suffix -> (soundfile format, subtype).
 AUDIO_FILE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
@@ -587,15 +594,15 @@ class Drama3Processor(ProcessorMixin):
         if not Path(path).is_file():
             raise FileNotFoundError(f"{where}: audio file {str(path)!r} does not exist")
         try:
-            info = soundfile.info(str(path))
-        except soundfile.LibsndfileError as error:
+            info = _soundfile().info(str(path))
+        except _soundfile().LibsndfileError as error:
             raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
         if sampling_rate is not None and sampling_rate != info.samplerate:
             raise ValueError(
                 f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; leave it out"
             )
         self._check_duration(info.frames, info.samplerate, where)
-        samples, rate = soundfile.read(str(path), dtype="float32", always_2d=True)  # [L, C]
+        samples, rate = _soundfile().read(str(path), dtype="float32", always_2d=True)  # [L, C]
         if samples.shape[0] == 0:
             raise ValueError(f"{where}: audio file {str(path)!r} holds no samples")
         return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate
@@ -672,7 +679,7 @@ class Drama3Processor(ProcessorMixin):
             raise ValueError("audio contains NaN or infinite values")
         samples = np.clip(samples, -1.0, 1.0)
         return write_atomically(
-            path, lambda file: soundfile.write(file, samples, rate, format=file_format, subtype=subtype)
+            path, lambda file: _soundfile().write(file, samples, rate, format=file_format, subtype=subtype)
         )
 
 
@@ -681,7 +688,7 @@ def _audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
     if suffix not in AUDIO_FILE_FORMATS:
         raise ValueError(f"cannot tell the audio format of {str(path)!r}: use one of {sorted(AUDIO_FILE_FORMATS)}")
     file_format, subtype = AUDIO_FILE_FORMATS[suffix]
-    if not soundfile.check_format(file_format, subtype):
+    if not _soundfile().check_format(file_format, subtype):
         raise ValueError(f"this soundfile/libsndfile build cannot write {file_format} ({subtype}); use .wav")
     return file_format, subtype
 

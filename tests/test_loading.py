@@ -213,33 +213,34 @@ def test_missing_shard(golden_copy):
         FishOmniForSpeech.from_pretrained(golden_copy)
 
 
-def test_missing_tensor(golden_copy):
-    def drop(tensors):
-        name = next(k for k in tensors if k.endswith("input_layernorm.weight"))
-        del tensors[name]
+def _drop_first(suffix):
+    def edit(tensors):
+        del tensors[next(k for k in tensors if k.endswith(suffix))]
 
-    _rewrite_shard(golden_copy, drop)
-    with pytest.raises(Drama3CheckpointError, match="missing tensors.*input_layernorm"):
-        FishOmniForSpeech.from_pretrained(golden_copy)
+    return edit
 
 
-def test_tensor_with_wrong_shape(golden_copy):
-    def shrink(tensors):
-        name = next(k for k in tensors if k.endswith("post_attention_layernorm.weight"))
+def _shrink_first(suffix):
+    def edit(tensors):
+        name = next(k for k in tensors if k.endswith(suffix))
         tensors[name] = tensors[name][:-1].clone()
 
-    _rewrite_shard(golden_copy, shrink)
-    with pytest.raises(Drama3CheckpointError, match=r"post_attention_layernorm.weight has shape \[255\], expected \[256\]"):
-        FishOmniForSpeech.from_pretrained(golden_copy)
+    return edit
 
 
-def test_fp8_tensor_without_its_scale(golden_copy):
-    def drop_scale(tensors):
-        name = next(k for k in tensors if k.endswith("_scale_inv"))
-        del tensors[name]
-
-    _rewrite_shard(golden_copy, drop_scale)
-    with pytest.raises(Drama3CheckpointError, match="FP8 tensors without their `weight_scale_inv`"):
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (_drop_first("input_layernorm.weight"), "missing tensors.*input_layernorm"),
+        (_shrink_first("post_attention_layernorm.weight"),
+         r"post_attention_layernorm.weight has shape \[255\], expected \[256\]"),
+        (_drop_first("_scale_inv"), "FP8 tensors without their `weight_scale_inv`"),
+    ],
+    ids=["missing-tensor", "wrong-shape", "fp8-without-scale"],
+)
+def test_bad_tensors_are_refused_before_loading(golden_copy, edit, message):
+    _rewrite_shard(golden_copy, edit)
+    with pytest.raises(Drama3CheckpointError, match=message):
         FishOmniForSpeech.from_pretrained(golden_copy)
 
 

@@ -1,0 +1,98 @@
+"""`pipeline("text-to-speech")` on a tiny checkpoint: Auto classes, the processor's prompt, generate_kwargs, voices."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import pipeline
+
+import transformers_drama3  # noqa: F401  (registers the Drama 3 classes)
+from transformers_drama3 import Drama3Processor, FishOmniForSpeech
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.voice import Drama3Voice
+
+from .conftest import GOLDEN_TINY
+
+GREEDY = {"do_sample": False, "max_new_tokens": 3}
+
+
+@pytest.fixture(scope="module")
+def tts():
+    return pipeline("text-to-speech", model=str(GOLDEN_TINY), dtype=torch.float32)
+
+
+class _Stop(Exception):
+    pass
+
+
+def _spy(tts, monkeypatch, stop=False):
+    """Record the keyword arguments of `model.generate`; with `stop`, end the call there."""
+    calls = []
+    generate = tts.model.generate
+
+    def spy(**kwargs):
+        calls.append(kwargs)
+        if stop:
+            raise _Stop
+        return generate(**kwargs)
+
+    monkeypatch.setattr(tts.model, "generate", spy)
+    return calls
+
+
+def test_pipeline_loads_the_drama3_classes(tts):
+    assert isinstance(tts.model, FishOmniForSpeech)
+    assert isinstance(tts.processor, Drama3Processor)  # not the raw tokenizer: prompts get the Drama 3 template
+    assert tts.sampling_rate == 44100
+
+
+def test_one_text_gives_the_audio_of_the_processor_prompt(tts, monkeypatch):
+    calls = _spy(tts, monkeypatch)
+    out = tts("Hello there.", generate_kwargs=GREEDY)
+
+    assert set(out) == {"audio", "sampling_rate"} and out["sampling_rate"] == 44100
+    assert isinstance(out["audio"], np.ndarray) and out["audio"].dtype == np.float32
+    assert out["audio"].shape == (3 * 2048,)
+    expected = tts.processor("Hello there.")
+    assert torch.equal(calls[0]["input_ids"], expected["input_ids"])
+    direct = tts.model.generate(**expected, **GREEDY)
+    np.testing.assert_array_equal(out["audio"], direct.audio[0].numpy())
+
+
+def test_a_list_gives_one_output_per_text_and_seeds_repeat(tts):
+    texts = ["Hello there.", "<|speaker:1|> Good morning, everyone."]
+    sampled = {"generate_kwargs": {"max_new_tokens": 2}, "forward_params": {"seed": 7}}
+    first, second = tts(texts, **sampled), tts(texts, **sampled)
+    assert [o["audio"].shape for o in first] == [(2 * 2048,), (2 * 2048,)]
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a["audio"], b["audio"])
+
+
+def test_the_pipeline_keeps_the_drama3_frame_limit(tts, monkeypatch):
+    """transformers' pipelines default to max_new_tokens=256 unless the model's generation config sets it."""
+    calls = _spy(tts, monkeypatch, stop=True)
+    with pytest.raises(_Stop):
+        tts("Hello there.")
+    kwargs = calls[0]
+    config = kwargs.get("generation_config") or tts.model.generation_config
+    assert kwargs.get("max_new_tokens", config.max_new_tokens) == DRAMA3_GENERATION_DEFAULTS["max_new_tokens"]
+    assert kwargs.get("do_sample", config.do_sample) is True
+
+
+def test_voice_references_through_preprocess_params(tts, monkeypatch):
+    codes = torch.randint(0, 64, (10, 4), generator=torch.Generator().manual_seed(0))
+    voice = Drama3Voice(codes=codes, transcript="This is my voice.")
+    calls = _spy(tts, monkeypatch)
+    # the pipeline passes the text as a batch of one: references hold one entry for it
+    out = tts("Hello there.", preprocess_params={"references": [voice]}, generate_kwargs=GREEDY)
+    assert out["audio"].shape == (3 * 2048,)
+    expected = tts.processor("Hello there.", references=[voice])["input_ids"]
+    assert torch.equal(calls[0]["input_ids"], expected)
+
+
+def test_bad_settings_are_errors(tts):
+    with pytest.raises(TypeError, match="unknown"):
+        tts("Hello there.", generate_kwargs={"temprature": 0.5, "max_new_tokens": 1})
+    with pytest.raises(ValueError, match="top_p"):
+        tts("Hello there.", generate_kwargs={"top_p": 1.5, "max_new_tokens": 1})
+    with pytest.raises(ValueError, match="empty"):
+        tts("  ")

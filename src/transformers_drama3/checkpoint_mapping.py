@@ -35,6 +35,7 @@ CODEC_PREFIX = "codec."
 FP8_BLOCK = 128
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 _SAFETENSORS_FP8 = {"F8_E4M3"}
+_PLAIN_LAYOUT_MARKER = "backbone.embed_tokens.weight"
 
 
 class Drama3CheckpointError(ValueError):
@@ -90,6 +91,23 @@ def expected_original_tensors(model: torch.nn.Module, fp8_experts: bool) -> dict
                 if fp8_experts:
                     expected[key + "_scale_inv"] = _scale_shape(shape)
     return expected
+
+
+def expected_checkpoint_tensors(model: torch.nn.Module, shards: list[str], fp8_experts: bool) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor the safetensors `shards` must hold for `model`.
+
+    Usually the original layout (`expected_original_tensors`). A checkpoint saved with
+    `save_pretrained(..., save_original_format=False)` uses the module names instead (`backbone.*`, fused experts);
+    it is recognised by its `backbone.embed_tokens.weight` tensor.
+    """
+    if not any(_PLAIN_LAYOUT_MARKER in _tensor_names(path) for path in shards):
+        return expected_original_tensors(model, fp8_experts)
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if not name.startswith(CODEC_PREFIX)}
+
+
+def _tensor_names(path: str) -> set[str]:
+    with safe_open(path, framework="pt") as f:
+        return set(f.keys())
 
 
 def checkpoint_shards(directory: str) -> list[str]:

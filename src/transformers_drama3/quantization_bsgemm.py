@@ -5,9 +5,19 @@ layout of transformers' fine-grained FP8 method. transformers silently ignores a
 load the raw FP8 bytes as weights, so `register_bsgemm_moe()` runs on `import transformers_drama3`, before any
 load. Without an FP8-capable GPU the fine-grained FP8 quantizer dequantises to the model's dtype while loading:
 `W[i, j] = float(W8[i, j]) * weight_scale_inv[i // 128, j // 128]`, per expert, before the experts are fused.
+On an FP8-capable GPU the experts stay FP8 only if transformers' FP8 kernel (the `kernels` package and its Hub
+download) can be loaded; otherwise the quantizer dequantises, with one warning saying why.
+
+A user's `BitsAndBytesConfig` (8-bit or 4-bit, dense linears only) is combined with a `bsgemm-moe` checkpoint by
+`prepare_quantization`: transformers accepts one quantization method per load and refuses a config of another
+class than the checkpoint's, so the load runs the bitsandbytes quantizer extended with the FP8 experts'
+dequantisation (`Bnb8BitWithFp8Experts` / `Bnb4BitWithFp8Experts`, registered under internal method names). The
+loaded model's config then says plain `bitsandbytes`.
 """
 
 from __future__ import annotations
+
+import copy
 
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
@@ -15,11 +25,21 @@ from transformers.quantizers.auto import (
     register_quantization_config,
     register_quantizer,
 )
+from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
+from transformers.quantizers.quantizer_bnb_8bit import Bnb8BitHfQuantizer
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-from transformers.utils.quantization_config import FineGrainedFP8Config
+from transformers.utils import logging
+from transformers.utils.quantization_config import BitsAndBytesConfig, FineGrainedFP8Config
+
+logger = logging.get_logger(__name__)
 
 BSGEMM_MOE = "bsgemm-moe"
 NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
+# Kept in full precision by bitsandbytes unless the user passes `llm_int8_skip_modules`: the codebook tower (small,
+# and its 9 sequential heads compound errors into the sampled codes), lm_head (only EOS + the semantic band are
+# used) and the codec (loaded from codec.pth after quantization, so it must stay a plain module).
+CODEC_MODULE = "codec"
+BNB_SKIP_MODULES = ["lm_head", "tower", CODEC_MODULE]
 
 class BsgemmMoeConfig(FineGrainedFP8Config):
     """`quant_method: "bsgemm-moe"`: fine-grained FP8 (128 x 128 blocks) on the routed experts only."""
@@ -31,6 +51,24 @@ class BsgemmMoeConfig(FineGrainedFP8Config):
 
 class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
     """Loads `bsgemm-moe` checkpoints with transformers' fine-grained FP8 machinery (dequantising on CPU)."""
+
+    def get_weight_conversions(self):
+        # Only the routed experts are FP8, and the backbone's own expert converters receive the dequantisation
+        # (`update_weight_conversions`). transformers' catch-all FP8 converter for every other `*.weight` is not
+        # wanted: transformers 5.17 skips the dtype cast of what it passes through (bf16 weights stayed bf16 in a
+        # float32 load).
+        return []
+
+    def validate_environment(self, *args, **kwargs):
+        super().validate_environment(*args, **kwargs)
+        if self.pre_quantized and not self.quantization_config.dequantize:
+            reason = fp8_kernel_problem()
+            if reason is not None:
+                logger.warning_once(
+                    f"bsgemm-moe: the FP8 expert kernel is unavailable ({reason}); the routed experts are dequantised "
+                    "to the model dtype instead (same results, about twice the expert memory)."
+                )
+                self.quantization_config.dequantize = True
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         # Everything outside the routed experts is bf16 in the checkpoint and must stay a plain module. transformers
@@ -45,9 +83,116 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
             self.quantization_config.modules_to_not_convert = user_skip
 
 
+def fp8_kernel_problem() -> str | None:
+    """Why transformers' fine-grained FP8 kernel cannot be loaded (first line of the error), or None if it can.
+
+    Any failure counts: a missing `kernels` package, no network for the Hub download, no build for this torch/CUDA.
+    Dequantising is always a correct fallback, so no error is let through.
+    """
+    from transformers.integrations.finegrained_fp8 import load_finegrained_fp8_kernel
+
+    try:
+        load_finegrained_fp8_kernel()
+    except Exception as error:  # noqa: BLE001 - see the docstring
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# bitsandbytes on a bsgemm-moe checkpoint
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _bnb_fields(config: BitsAndBytesConfig) -> dict:
+    """Constructor arguments that rebuild `config` (without its method name)."""
+    return {key: value for key, value in config.to_dict().items() if not key.startswith("_") and key != "quant_method"}
+
+
+class BnbWithFp8ExpertsConfig(BitsAndBytesConfig):
+    """A `BitsAndBytesConfig` for a `bsgemm-moe` checkpoint: its method name selects the combined quantizer."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.quant_method = f"{BSGEMM_MOE}+bitsandbytes_{'8bit' if self.load_in_8bit else '4bit'}"
+
+
+class _DequantisesFp8Experts:
+    """Mixin for a bitsandbytes quantizer: the checkpoint's FP8 experts are dequantised while loading.
+
+    The bitsandbytes quantizer quantises the dense linears; the FP8 dequantisation is borrowed from a dequantising
+    `BsgemmMoeHfQuantizer` (its weight conversions). The quantizer's own config is a plain `BitsAndBytesConfig`, so
+    the loaded model's `config.quantization_config` and a saved checkpoint say `bitsandbytes`.
+    """
+
+    def __init__(self, quantization_config, **kwargs):
+        super().__init__(BitsAndBytesConfig(**_bnb_fields(quantization_config)), **kwargs)
+        self._fp8_experts = BsgemmMoeHfQuantizer(BsgemmMoeConfig(dequantize=True), pre_quantized=True)
+
+    def update_weight_conversions(self, weight_conversions, *args):
+        # `*args`: newer transformers also pass the model.
+        with_fp8 = self._fp8_experts.update_weight_conversions(weight_conversions, *args)
+        return super().update_weight_conversions(with_fp8, *args)
+
+
+class Bnb8BitWithFp8Experts(_DequantisesFp8Experts, Bnb8BitHfQuantizer):
+    """bitsandbytes 8-bit dense linears + dequantised `bsgemm-moe` experts."""
+
+
+class Bnb4BitWithFp8Experts(_DequantisesFp8Experts, Bnb4BitHfQuantizer):
+    """bitsandbytes 4-bit dense linears + dequantised `bsgemm-moe` experts."""
+
+
+def with_default_skip_modules(config: BitsAndBytesConfig) -> BitsAndBytesConfig:
+    """A copy of `config` whose `llm_int8_skip_modules` defaults to `BNB_SKIP_MODULES`, and always holds "codec".
+
+    transformers' own default would quantise the tower (its list only protects the output embeddings and the last
+    parameter). A user's list replaces the default entirely (anchored name matching: "tower" covers "tower.*"),
+    except that the codec is always kept: its weights are copied in from codec.pth after loading, which a
+    bitsandbytes module would not take.
+    """
+    config = copy.deepcopy(config)
+    skip = config.llm_int8_skip_modules
+    if skip is None:
+        config.llm_int8_skip_modules = list(BNB_SKIP_MODULES)
+    elif CODEC_MODULE not in skip:
+        config.llm_int8_skip_modules = list(skip) + [CODEC_MODULE]
+    return config
+
+
+def checkpoint_quant_method(config) -> str | None:
+    """The `quant_method` of `config.quantization_config` (a dict from config.json or a config object), or None."""
+    quantization = getattr(config, "quantization_config", None)
+    if isinstance(quantization, dict):
+        return quantization.get("quant_method")
+    return getattr(quantization, "quant_method", None)
+
+
+def prepare_quantization(config, quantization_config):
+    """`(config, quantization_config)` to give transformers' `from_pretrained` for a Drama 3 checkpoint.
+
+    A `BitsAndBytesConfig` gets the default skip list; on a `bsgemm-moe` checkpoint it becomes the combined
+    method and the checkpoint's own quantization_config is dropped from (a copy of) `config`. Anything else passes
+    unchanged: transformers then reports a conflict with the checkpoint's method itself.
+    """
+    if not isinstance(quantization_config, BitsAndBytesConfig):
+        return config, quantization_config
+    quantization_config = with_default_skip_modules(quantization_config)
+    if checkpoint_quant_method(config) == BSGEMM_MOE:
+        config = copy.deepcopy(config)
+        del config.quantization_config
+        quantization_config = BnbWithFp8ExpertsConfig(**_bnb_fields(quantization_config))
+    return config, quantization_config
+
+
 def register_bsgemm_moe() -> None:
-    """Register `"bsgemm-moe"` with transformers' quantizer registry; safe to call more than once."""
+    """Register `"bsgemm-moe"` (and its bitsandbytes combinations) with transformers; safe to call more than once."""
     if BSGEMM_MOE not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         register_quantization_config(BSGEMM_MOE)(BsgemmMoeConfig)
-    if BSGEMM_MOE not in AUTO_QUANTIZER_MAPPING:
-        register_quantizer(BSGEMM_MOE)(BsgemmMoeHfQuantizer)
+    quantizers = {
+        BSGEMM_MOE: BsgemmMoeHfQuantizer,
+        f"{BSGEMM_MOE}+bitsandbytes_8bit": Bnb8BitWithFp8Experts,
+        f"{BSGEMM_MOE}+bitsandbytes_4bit": Bnb4BitWithFp8Experts,
+    }
+    for name, quantizer in quantizers.items():
+        if name not in AUTO_QUANTIZER_MAPPING:
+            register_quantizer(name)(quantizer)

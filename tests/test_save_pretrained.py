@@ -1,0 +1,132 @@
+"""`save_pretrained` round trips: what is written, and that `from_pretrained(saved)` (no flag) gives the same outputs.
+
+Tolerance: exact equality. The weights are written in the model's own dtype and read back without any conversion
+(the dequantised FP8 experts are saved dequantised), and the same computation runs on them.
+"""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3.modeling_codec import FishDACLoadError, load_codec_state_dict
+from transformers_drama3.modeling_drama3 import cast_dequantised_checkpoint, load_codec_weights
+from transformers_drama3.testing import write_tiny_checkpoint
+
+from .conftest import GOLDEN_TINY
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """`[1, 10, 11]`: 4 text rows, then 6 audio rows with random codes."""
+    codes = torch.randint(0, 32, (6, 10), generator=torch.Generator().manual_seed(1))  # [frames, NCB]
+    rows = torch.zeros(10, 11, dtype=torch.long)
+    rows[:4, 0] = torch.tensor([1, 5, 7, 9])
+    rows[4:, 0], rows[4:, 1:] = 421 + codes[:, 0], codes  # semantic_start = 421
+    return rows[None]
+
+
+@pytest.fixture(scope="module")
+def plain_checkpoint(tmp_path_factory):
+    """A bf16 checkpoint in the original layout without FP8 experts (no quantization_config)."""
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("plain"), seed=0, quantization_config=None)
+
+
+def _tensor_names(directory) -> dict[str, str]:
+    """Name -> safetensors dtype of every tensor in the saved shards."""
+    names = {}
+    for shard in directory.glob("*.safetensors"):
+        with safe_open(shard, framework="pt") as f:
+            names.update({key: f.get_slice(key).get_dtype() for key in f.keys()})
+    return names
+
+
+def _assert_same_outputs(model, reloaded, prompt):
+    with torch.no_grad():
+        before, after = model(prompt), reloaded(prompt)
+    assert torch.equal(before.main_logits, after.main_logits)
+    assert torch.equal(before.codebook_logits, after.codebook_logits)
+    codes = prompt[0, 4:, 1:].T[None]  # [1, NCB, 6]
+    assert torch.equal(model.codec.decode(codes), reloaded.codec.decode(codes))
+
+
+@pytest.mark.parametrize(
+    "source, dtype",
+    [("fp8", torch.float32), ("fp8", torch.bfloat16), ("plain", torch.bfloat16)],
+    ids=["dequantised-fp8-float32", "dequantised-fp8-bfloat16", "bf16-checkpoint"],
+)
+def test_round_trip_gives_identical_outputs(source, dtype, plain_checkpoint, prompt, tmp_path):
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY if source == "fp8" else plain_checkpoint, dtype=dtype)
+    model.save_pretrained(tmp_path)
+
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config.get("quantization_config") is None  # the experts were written dequantised
+    assert config["dtype"] == str(dtype).removeprefix("torch.")
+    names = _tensor_names(tmp_path)
+    original = json.loads((GOLDEN_TINY / "model.safetensors.index.json").read_text())["weight_map"]
+    assert set(names) == {name for name in original if not name.endswith("_scale_inv")}  # original names
+    assert set(names.values()) == {"F32" if dtype == torch.float32 else "BF16"}
+    codec_state = load_codec_state_dict(tmp_path / "codec.pth")
+    assert codec_state.keys() == model.codec.state_dict().keys()  # the folded codec
+
+    reloaded, info = FishOmniForSpeech.from_pretrained(tmp_path, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert reloaded.lm_head.weight.dtype == dtype and next(reloaded.codec.parameters()).dtype == torch.float32
+    _assert_same_outputs(model, reloaded, prompt)
+
+
+def test_module_name_layout_loads_too(prompt, tmp_path):
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    model.save_pretrained(tmp_path, save_original_format=False)
+    assert "backbone.layers.0.mlp.experts.gate_up_proj" in _tensor_names(tmp_path)
+    _assert_same_outputs(model, FishOmniForSpeech.from_pretrained(tmp_path), prompt)
+
+
+def test_an_offloaded_model_saves_what_it_computes_with(prompt, tmp_path):
+    model = FishOmniForSpeech.from_pretrained(
+        GOLDEN_TINY, dtype=torch.float32, device_map={"": "disk"}, offload_folder=tmp_path / "offload"
+    )
+    with pytest.warns(UserWarning, match="offloaded modules"):
+        model.save_pretrained(tmp_path / "saved")
+    _assert_same_outputs(model, FishOmniForSpeech.from_pretrained(tmp_path / "saved"), prompt)
+
+
+def test_fp8_parameters_are_not_saved(tmp_path):
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
+    model.backbone.layers[0].mlp.experts.down_proj.data = model.backbone.layers[0].mlp.experts.down_proj.data.to(
+        torch.float8_e4m3fn
+    )
+    with pytest.raises(NotImplementedError, match="saving FP8 experts is not supported"):
+        model.save_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# codec.pth in either layout; dtypes after loading
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_codec_weights_load_from_either_layout():
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
+    folded = {name: tensor.clone() for name, tensor in model.codec.state_dict().items()}
+    for parameter in model.codec.parameters():
+        parameter.data.zero_()
+    load_codec_weights(model.codec, folded)
+    assert all(torch.equal(model.codec.state_dict()[name], tensor) for name, tensor in folded.items())
+
+    load_codec_weights(model.codec, load_codec_state_dict(GOLDEN_TINY / "codec.pth"))  # the original layout
+    assert all(torch.equal(model.codec.state_dict()[name], tensor) for name, tensor in folded.items())
+
+    del folded["decoder.output_conv.weight"]
+    with pytest.raises(FishDACLoadError, match="decoder.output_conv.weight"):
+        load_codec_weights(model.codec, folded)
+
+
+def test_dequantised_weights_get_the_requested_dtype():
+    """transformers 5.17 leaves renamed weights of an FP8 checkpoint in bf16 in a float32 load; this repairs it."""
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    model.backbone.to(torch.bfloat16)
+    model.tower.heads[0].to(torch.bfloat16)
+    cast_dequantised_checkpoint(model, torch.float32)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}

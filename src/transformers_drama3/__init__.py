@@ -10,10 +10,12 @@ from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform, Auto
 from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
 from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
 from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
+from .generation_drama3 import Drama3AudioStreamer, Drama3GenerateOutput
 from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .processing_drama3 import Drama3Processor, split_text
 from .quantization_bsgemm import register_bsgemm_moe
+from .synthesis import Drama3Speech, synthesize
 from .voice import Drama3Voice
 
 
@@ -31,10 +33,13 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "Drama3AudioStreamer",
     "Drama3CheckpointError",
     "Drama3CodebookTower",
     "Drama3ConfigError",
+    "Drama3GenerateOutput",
     "Drama3Processor",
+    "Drama3Speech",
     "Drama3SpeechOutput",
     "Drama3TowerCache",
     "Drama3TowerConfig",
@@ -47,4 +52,5 @@ __all__ = [
     "FishOmniForSpeech",
     "FishOmniPreTrainedModel",
     "split_text",
+    "synthesize",
 ]

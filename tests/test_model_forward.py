@@ -101,6 +101,20 @@ def _incremental(model, rows, prefill):
     return (torch.cat([o.main_logits for o in outs], 1), torch.cat([o.codebook_logits for o in outs], 1))
 
 
+@pytest.mark.parametrize("implementation", ["grouped_mm", "batched_mm"])
+def test_expert_implementations_agree(golden_model, expected, implementation):
+    rows = expected["tf_rows"][None, -40:]
+    with torch.no_grad():
+        eager = golden_model(rows).main_logits
+        golden_model.set_experts_implementation(implementation)
+        try:
+            other = golden_model(rows).main_logits
+        finally:
+            golden_model.set_experts_implementation("eager")
+    assert golden_model.config.text_config._experts_implementation == "eager"
+    torch.testing.assert_close(other, eager, atol=SELF_ATOL, rtol=SELF_RTOL)
+
+
 def test_cached_incremental_equals_full_pass(golden_model, expected):
     rows = expected["tf_rows"][None, :150]
     with torch.no_grad():

@@ -111,6 +111,14 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         band = torch.arange(self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device)
         return torch.cat((torch.tensor([self.config.eos_token_id], device=device), band))
 
+    def set_experts_implementation(self, experts_implementation: str | dict) -> None:
+        """Choose how the backbone runs its routed experts (`"eager"`, `"batched_mm"`, `"grouped_mm"`, ...).
+
+        The experts live in the backbone only, so the choice goes to it (transformers' generic version looks for
+        expert layers in this class's own module and refuses).
+        """
+        self.backbone.set_experts_implementation(experts_implementation)
+
     # ----------------------------------------------------------------------------------------------------------
     # Frame rows
     # ----------------------------------------------------------------------------------------------------------

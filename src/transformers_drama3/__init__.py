@@ -9,12 +9,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform, Auto
 
 from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
 from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
-from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
+from .device_placement import execution_device
 from .generation_drama3 import Drama3AudioStreamer, Drama3GenerateOutput
+from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
 from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .processing_drama3 import Drama3Processor, split_text
-from .quantization_bsgemm import register_bsgemm_moe
+from .quantization_bsgemm import BsgemmMoeConfig, register_bsgemm_moe
 from .synthesis import Drama3Speech, synthesize
 from .voice import Drama3Voice
 
@@ -33,6 +34,7 @@ def _register() -> None:
 _register()
 
 __all__ = [
+    "BsgemmMoeConfig",
     "Drama3AudioStreamer",
     "Drama3CheckpointError",
     "Drama3CodebookTower",
@@ -51,6 +53,7 @@ __all__ = [
     "FishOmniConfig",
     "FishOmniForSpeech",
     "FishOmniPreTrainedModel",
+    "execution_device",
     "split_text",
     "synthesize",
 ]

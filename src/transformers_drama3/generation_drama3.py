@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
+from .device_placement import execution_device
 from .sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server, SPEC 6 and 7).
@@ -176,6 +177,8 @@ class Drama3GenerationMixin:
         """
         settings = self._generation_settings(generation_config, dict(kwargs))
         self.check_frames(input_ids)
+        input_ids = input_ids.to(self.input_device)
+        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
         batch, rows, _ = input_ids.shape
         if batch == 0 or rows == 0:
             raise ValueError(f"input_ids must hold at least one prompt row per sequence, got shape {tuple(input_ids.shape)}")
@@ -199,19 +202,11 @@ class Drama3GenerationMixin:
         sequences = torch.cat((input_ids, loop.frames[:, : max(loop.lengths, default=0)]), dim=1)
         if not return_dict_in_generate:
             return sequences
-        audio = [self.codec.decode(c[None].to(_codec_device(self.codec)))[0] for c in codes] if output_audio else None
+        audio = [self.codec.decode(c[None].to(execution_device(self.codec)))[0] for c in codes] if output_audio else None
         return Drama3GenerateOutput(
             sequences=sequences, codes=codes, audio=audio, finish_reason=loop.finish_reason,
             sampling_rate=self.config.sampling_rate,
         )
-
-
-def _codec_device(codec) -> torch.device:
-    """Where the codec runs: its accelerate hook's execution device when offloaded, else its weights' device."""
-    hook = getattr(codec, "_hf_hook", None)
-    if hook is not None and getattr(hook, "execution_device", None) is not None:
-        return torch.device(hook.execution_device)
-    return next(codec.parameters()).device
 
 
 class _FrameLoop:

@@ -29,7 +29,7 @@ from .checkpoint_mapping import (
     expected_checkpoint_tensors,
 )
 from .configuration_drama3 import FishOmniConfig
-from .device_placement import pin_codec_to_main_device, warn_about_codec_entries
+from .device_placement import execution_device, pin_codec_to_main_device, warn_about_codec_entries
 from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache, Drama3ZeroCenteredNorm
@@ -111,6 +111,12 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         band = torch.arange(self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device)
         return torch.cat((torch.tensor([self.config.eos_token_id], device=device), band))
 
+    @property
+    def input_device(self) -> torch.device:
+        """Where frame rows must be: the input embedding's execution device (its accelerate hook's device when the
+        model is dispatched, where offloaded weights sit on the meta device)."""
+        return execution_device(self.backbone.embed_tokens)
+
     def set_experts_implementation(self, experts_implementation: str | dict) -> None:
         """Choose how the backbone runs its routed experts (`"eager"`, `"batched_mm"`, `"grouped_mm"`, ...).
 
@@ -136,7 +142,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         tokens = self.backbone.embed_tokens(frames[..., 0])  # [B, T, D]
         if k == 0:
             return tokens
-        audio = (tokens + self.tower.embed_codes(frames, range(1, k + 1))) / math.sqrt(1 + k)
+        codes = self.tower.embed_codes(frames.to(execution_device(self.tower)), range(1, k + 1)).to(tokens.device)
+        audio = (tokens + codes) / math.sqrt(1 + k)
         return torch.where(self.is_audio_row(frames[..., 0])[..., None], audio, tokens)
 
     def check_frames(self, frames: torch.Tensor, name: str = "input_ids") -> None:
@@ -198,6 +205,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             raise TypeError(f"FishOmniForSpeech.forward got unexpected arguments: {sorted(kwargs)}")
         cache = cache if cache is not None else past_key_values
         self.check_frames(input_ids)
+        input_ids = input_ids.to(self.input_device)
+        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
+        labels = labels.to(self.input_device) if labels is not None else None
         batch, rows, _ = input_ids.shape
         if use_cache is None:
             use_cache = cache is not None or tower_cache is not None

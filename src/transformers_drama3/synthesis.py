@@ -80,14 +80,6 @@ def _encoded(processor, reference, codec, where: str):
     return {**rest, "codes": codes}
 
 
-def _input_device(model) -> torch.device:
-    """Where prompt rows go: the input embedding's accelerate execution device when the model is dispatched (an
-    offloaded weight sits on the meta device), else its weight's device."""
-    embedding = model.backbone.embed_tokens
-    device = getattr(getattr(embedding, "_hf_hook", None), "execution_device", None)
-    return torch.device(device) if device is not None else embedding.weight.device
-
-
 def history_turns(texts: list[str], codes: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """History for the next chunk (SPEC 9): the first chunk and the previous one, skipping chunks without frames."""
     done = list(zip(texts, codes))
@@ -133,7 +125,7 @@ def synthesize(
     try:  # the streams end whatever happens, so a consumer iterating them never waits forever
         texts = processor.split_text(text, max_bytes=chunk_bytes, max_speakers=max_speakers)
         references = encode_references(processor, references, model.codec)
-        device = _input_device(model)
+        device = model.input_device
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         for chunk in tqdm(texts, unit="chunk", disable=not show_progress or len(texts) == 1):

@@ -5,18 +5,16 @@
 Without `--model` it uses the embedded tiny random checkpoint: it runs anywhere in seconds and speaks noise.
 """
 
-import argparse
-
 import soundfile
 
 import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor / pipeline)
 from transformers import pipeline
 from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import example_parser
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--text", default="Hello there! How are you today?")
     parser.add_argument("--output", default="hello.wav")
     args = parser.parse_args()

@@ -7,14 +7,8 @@
 checkpoint (fast; it speaks noise).
 """
 
-import argparse
-
-import torch
-
-import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor)
-from transformers import AutoModel, AutoProcessor
 from transformers_drama3.synthesis import synthesize
-from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import example_parser, load_model_and_processor
 
 DIALOGUE = (
     "<|speaker:0|> Did you buy the bread? "
@@ -24,16 +18,11 @@ DIALOGUE = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--output", default="dialogue.wav")
     args = parser.parse_args()
 
-    path = args.model or default_tiny_checkpoint()
-    gpu = torch.cuda.is_available()
-    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
-                                      device_map="cuda" if gpu else None)
-    processor = AutoProcessor.from_pretrained(path)
+    model, processor = load_model_and_processor(args.model)
 
     settings = {"max_new_tokens": 12} if args.model is None else {}  # the tiny checkpoint rarely stops by itself
     speech = synthesize(model, processor, DIALOGUE, seed=0, **settings)

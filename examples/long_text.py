@@ -8,15 +8,11 @@ progress bar counts the chunks. Without `--model` the embedded tiny random check
 noise).
 """
 
-import argparse
 from pathlib import Path
 
-import torch
 
-import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor)
-from transformers import AutoModel, AutoProcessor
 from transformers_drama3.synthesis import synthesize
-from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import example_parser, load_model_and_processor
 
 STORY = (
     "The lighthouse keeper woke before dawn, as he had every day for thirty years. "
@@ -28,18 +24,13 @@ STORY = (
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--text-file", type=Path, help="UTF-8 text to speak (default: a short story)")
     parser.add_argument("--chunk-bytes", type=int, default=300)
     parser.add_argument("--output", default="story.wav")
     args = parser.parse_args()
 
-    path = args.model or default_tiny_checkpoint()
-    gpu = torch.cuda.is_available()
-    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
-                                      device_map="cuda" if gpu else None)
-    processor = AutoProcessor.from_pretrained(path)
+    model, processor = load_model_and_processor(args.model)
     settings = {"max_new_tokens": 6} if args.model is None else {}  # the tiny checkpoint rarely stops by itself
 
     text = args.text_file.read_text(encoding="utf-8") if args.text_file else STORY

@@ -19,6 +19,7 @@ from transformers import AutoModel, AutoProcessor, BitsAndBytesConfig
 import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor)
 from transformers_drama3.device_placement import execution_device
 from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import example_parser
 
 
 def load(path: str, args: argparse.Namespace):
@@ -35,8 +36,7 @@ def load(path: str, args: argparse.Namespace):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--mode", choices=["offload", "8bit", "4bit"], default="offload")
     parser.add_argument("--gpu-memory", default="20GB", help="weights allowed on GPU 0 (offload mode)")
     parser.add_argument("--cpu-memory", help="weights allowed in RAM (offload mode; default 60GB, 15MB for tiny)")

@@ -7,31 +7,22 @@ appended to a WAV file as they arrive, which is where a player or a network sock
 together equal the audio of a non-streamed run. Without `--model` the embedded tiny random checkpoint is used.
 """
 
-import argparse
 import threading
 import time
 
 import soundfile
-import torch
 
-import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor)
-from transformers import AutoModel, AutoProcessor
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer
-from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import example_parser, load_model_and_processor
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--text", default="Streaming means the first words play while the rest is still being made.")
     parser.add_argument("--output", default="streamed.wav")
     args = parser.parse_args()
 
-    path = args.model or default_tiny_checkpoint()
-    gpu = torch.cuda.is_available()
-    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
-                                      device_map="cuda" if gpu else None)
-    processor = AutoProcessor.from_pretrained(path)
+    model, processor = load_model_and_processor(args.model)
     settings = {"max_new_tokens": 24} if args.model is None else {}  # the tiny checkpoint rarely stops by itself
 
     inputs = processor(args.text).to(model.device)

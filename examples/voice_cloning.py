@@ -7,16 +7,11 @@ A reference of 10-30 s works best (at most 60 s). The codec turns it into codes 
 for the recording; without `--model` the embedded tiny random checkpoint is used (fast; it speaks noise).
 """
 
-import argparse
-
 import numpy as np
-import torch
 
-import transformers_drama3  # noqa: F401  (registers Drama 3 with AutoModel / AutoProcessor)
-from transformers import AutoModel, AutoProcessor
 from transformers_drama3.synthesis import synthesize
-from transformers_drama3.testing import default_tiny_checkpoint
 from transformers_drama3.voice import Drama3Voice
+from example_setup import example_parser, load_model_and_processor
 
 
 def tone(seconds: float = 2.0, rate: int = 44100) -> np.ndarray:
@@ -26,8 +21,7 @@ def tone(seconds: float = 2.0, rate: int = 44100) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="checkpoint directory or Hub id (default: the embedded tiny checkpoint)")
+    parser = example_parser(__doc__)
     parser.add_argument("--audio", help="reference recording (any format soundfile reads)")
     parser.add_argument("--transcript", default="This is my voice, recorded on a quiet afternoon.")
     parser.add_argument("--text", default="Hello again! This sentence was never recorded.")
@@ -35,11 +29,7 @@ def main() -> None:
     parser.add_argument("--voice-file", default="my.voice.safetensors")
     args = parser.parse_args()
 
-    path = args.model or default_tiny_checkpoint()
-    gpu = torch.cuda.is_available()
-    model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
-                                      device_map="cuda" if gpu else None)
-    processor = AutoProcessor.from_pretrained(path)
+    model, processor = load_model_and_processor(args.model)
     settings = {"max_new_tokens": 12} if args.model is None else {}  # the tiny checkpoint rarely stops by itself
 
     # 1. Encode the reference once and keep it as a voice file.

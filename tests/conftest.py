@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -20,3 +21,14 @@ def expected():
 def cases():
     with open(FIXTURES / "cases.json") as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    """`[1, 10, 11]` frame rows for the golden tiny checkpoint: 4 text rows, then 6 audio rows with random codes
+    (a short reference)."""
+    codes = torch.randint(0, 32, (6, 10), generator=torch.Generator().manual_seed(0))  # [frames, NCB]
+    rows = torch.zeros(10, 11, dtype=torch.long)
+    rows[:4, 0] = torch.tensor([1, 5, 7, 9])
+    rows[4:, 0], rows[4:, 1:] = 421 + codes[:, 0], codes  # semantic_start = 421
+    return rows[None]

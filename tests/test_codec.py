@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from transformers_drama3.configuration_drama3 import FishDACConfig
 from transformers_drama3.modeling_codec import (
     CausalConv1d,
-    CausalConvTranspose1d,
     FishDACCodec,
     FishDACLoadError,
     VectorQuantizer,

@@ -43,16 +43,6 @@ def _outputs(model, prompt, generate: bool):
 
 
 @pytest.fixture(scope="module")
-def prompt():
-    """`[1, 10, 11]`: 4 text rows, then 6 audio rows with random codes (a short reference)."""
-    codes = torch.randint(0, 32, (6, 10), generator=torch.Generator().manual_seed(0))  # [frames, NCB]
-    rows = torch.zeros(10, 11, dtype=torch.long)
-    rows[:4, 0] = torch.tensor([1, 5, 7, 9])
-    rows[4:, 0], rows[4:, 1:] = 421 + codes[:, 0], codes  # semantic_start = 421
-    return rows[None]
-
-
-@pytest.fixture(scope="module")
 def in_memory(prompt):
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
     return _outputs(model, prompt, generate=True)

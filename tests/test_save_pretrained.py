@@ -19,16 +19,6 @@ from .conftest import GOLDEN_TINY
 
 
 @pytest.fixture(scope="module")
-def prompt():
-    """`[1, 10, 11]`: 4 text rows, then 6 audio rows with random codes."""
-    codes = torch.randint(0, 32, (6, 10), generator=torch.Generator().manual_seed(1))  # [frames, NCB]
-    rows = torch.zeros(10, 11, dtype=torch.long)
-    rows[:4, 0] = torch.tensor([1, 5, 7, 9])
-    rows[4:, 0], rows[4:, 1:] = 421 + codes[:, 0], codes  # semantic_start = 421
-    return rows[None]
-
-
-@pytest.fixture(scope="module")
 def plain_checkpoint(tmp_path_factory):
     """A bf16 checkpoint in the original layout without FP8 experts (no quantization_config)."""
     return write_tiny_checkpoint(tmp_path_factory.mktemp("plain"), seed=0, quantization_config=None)

@@ -245,7 +245,7 @@ class _FrameLoop:
 
     def _prefill(self, input_ids, attention_mask) -> None:
         model = self.model
-        positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)  # [B, T]
+        positions = model.row_positions(attention_mask)  # [B, T]
         self.cache, self.tower_cache = model.new_caches()
         hidden = model.run_backbone(input_ids, positions, self.mask, self.cache)  # [B, T, D]
         if input_ids.shape[1] > 1:  # tower teacher forcing over rows 0..T-2, labelled by rows 1..T-1
@@ -267,9 +267,8 @@ class _FrameLoop:
         else:
             column = logits.argmax(-1)
         main = self.candidates[column]  # [b]
-        tower_mask = None if self.mask is None else self.mask
         codes, _ = model.tower.decode_frame(
-            self.hidden, self.row, main, self.position, tower_mask, self.tower_cache, self._sample_codebook
+            self.hidden, self.row, main, self.position, self.mask, self.tower_cache, self._sample_codebook
         )
         if self.settings.ras_window:
             self.history = torch.cat((self.history, column[:, None]), dim=1)[:, -self.settings.ras_window :]
@@ -322,8 +321,8 @@ class _FrameLoop:
                 self._retire(torch.zeros_like(self.ended), FINISH_CONTEXT)
                 return
             if step % check_every == 0:
-                if bool(self.ended.all()):
-                    self._retire(~self.ended, None)
-                    return
+                all_ended = bool(self.ended.all())
                 self._retire(~self.ended, None)
+                if all_ended:
+                    return
             self._feed_back(self.new_rows)

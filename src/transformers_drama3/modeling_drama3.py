@@ -222,7 +222,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
                 "(text_config.max_position_embeddings)"
             )
         attention_mask = self._full_attention_mask(attention_mask, batch, past, rows, input_ids.device)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)[:, past:]  # [B, T]
+        position_ids = self.row_positions(attention_mask)[:, past:]  # [B, T]
 
         hidden = self.run_backbone(input_ids, position_ids, attention_mask, cache if use_cache else None)  # [B, T, D]
         main_logits = self.lm_head(hidden).index_select(-1, self.main_candidate_ids(hidden.device))  # [B, T, V + 1]
@@ -277,6 +277,14 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
                 f"the caches hold {tower_cache.pending_row[0].shape[0]} sequence(s) but input_ids has {batch}; "
                 "use new caches (or `batch_select_indices` on both) for another batch"
             )
+
+    @staticmethod
+    def row_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+        """Positions `[B, S]` of the rows of a left-padded batch: real rows count from 0, padding gets 0.
+
+        The Qwen3.5 backbone does not derive positions from the mask, so every caller passes these explicitly.
+        """
+        return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
     @staticmethod
     def _full_attention_mask(attention_mask, batch: int, past: int, rows: int, device) -> torch.Tensor:

@@ -31,7 +31,8 @@ ORIGINAL_PREFIXES = {
     "audio_decoder_mtp.layers.": "tower.residual_layers.",
     "audio_decoder_mtp.heads.": "tower.heads.",
 }
-CODEC_PREFIX = "codec."
+CODEC_MODULE = "codec"  # FishOmniForSpeech.codec: loaded from codec.pth, never from the safetensors files
+CODEC_PREFIX = CODEC_MODULE + "."
 FP8_BLOCK = 128
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 _SAFETENSORS_FP8 = {"F8_E4M3"}

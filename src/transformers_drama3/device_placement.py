@@ -18,11 +18,10 @@ import torch
 from torch import nn
 from transformers.utils import logging
 
-from .checkpoint_mapping import CODEC_PREFIX
+from .checkpoint_mapping import CODEC_MODULE, CODEC_PREFIX
 
 logger = logging.get_logger(__name__)
 
-CODEC_MODULE = CODEC_PREFIX.rstrip(".")
 _OFFLOAD_TARGETS = ("cpu", "disk")
 
 

@@ -31,11 +31,12 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 from transformers.utils import logging
 from transformers.utils.quantization_config import BitsAndBytesConfig, FineGrainedFP8Config
 
+from .checkpoint_mapping import CODEC_MODULE
+
 logger = logging.get_logger(__name__)
 
 BSGEMM_MOE = "bsgemm-moe"
 NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
-CODEC_MODULE = "codec"
 # Kept in full precision by bitsandbytes unless the user passes `llm_int8_skip_modules`: the codebook tower and
 # lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB) and
 # the codec (loaded from codec.pth after quantization, so it must stay a plain module).

@@ -115,6 +115,9 @@ def test_voice_cloning_saves_and_reuses_a_voice(tmp_path, capsys):
     assert voice.transcript == "This is my voice." and voice.codes.shape == (10, 6)
     assert _main(capsys, *common, "-o", str(reused), "--voice", str(voice_file))[0] == 0
     assert cloned.read_bytes() == reused.read_bytes()  # greedy, same reference codes: the same speech
+    fast = tmp_path / "fast.wav"
+    assert _main(capsys, *common, "-o", str(fast), "--voice", str(voice_file), "--fast-decode")[0] == 0
+    assert fast.read_bytes() == reused.read_bytes()  # the fast decode path makes the same greedy frames
     # only saving a voice: no text, no output
     status, _, err = _main(capsys, *MODEL, "--reference", str(reference), "--reference-text", "Mine.",
                            "--save-voice", str(tmp_path / "only.voice.safetensors"))

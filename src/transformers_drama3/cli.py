@@ -96,6 +96,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = parser.add_argument_group("running")
     run.add_argument("--stream", action="store_true", help="write the audio while it is generated")
+    run.add_argument("--fast-decode", action="store_true",
+                     help="preallocated frame step, one CUDA graph per frame on a GPU (docs/usage.md)")
     run.add_argument("--device", default="auto", help='"cpu", "cuda", "cuda:1", ... (default: cuda if available)')
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU); the codec stays float32")
@@ -248,12 +250,14 @@ def _loaded(load, path: str, *args):
 
 
 def _generation_settings(args: argparse.Namespace) -> dict:
-    """The sampling flags that were given, as `generate` keywords."""
+    """The sampling and decoding flags that were given, as `generate` keywords."""
     settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
                 "max_new_tokens": args.max_new_tokens}
     settings = {key: value for key, value in settings.items() if value is not None}
     if args.greedy:
         settings["do_sample"] = False
+    if args.fast_decode:
+        settings["fast_decode"] = True
     return settings
 
 

@@ -20,7 +20,8 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput
 
 from .device_placement import execution_device
-from .sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
+from .fast_decode import check_fast_decode, run_fast
+from .sampling import FrameSampler
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server, SPEC 6 and 7).
 DRAMA3_GENERATION_DEFAULTS = {
@@ -37,8 +38,8 @@ DRAMA3_GENERATION_DEFAULTS = {
     "codebook_top_k": 30,  # capped at 30 (SPEC 6)
     "codebook_top_p": 0.9,
     "stop_check_interval": 8,  # frames between two host checks of the stop flags
+    "fast_decode": False,  # preallocated state and, on CUDA, one captured CUDA graph per frame step (fast_decode.py)
 }
-CODEBOOK_TOP_K_CAP = 30
 # Arguments that transformers' pipelines pass to every `generate` and that mean nothing here.
 _IGNORED_PIPELINE_ARGS = ("pad_token_id", "bos_token_id")
 FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
@@ -122,6 +123,11 @@ class Drama3GenerationMixin:
             setattr(self.generation_config, key, value)
         self.generation_config.eos_token_id = self.config.eos_token_id
 
+    def reset_fast_decode(self) -> None:
+        """Free the preallocated state and captured CUDA graphs that `generate(..., fast_decode=True)` keeps for
+        later calls (they are rebuilt on the next such call)."""
+        self._fast_decoder = None
+
     def _generation_settings(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
         """The model's generation config updated with `generation_config` and per-call keywords; checked."""
         settings = copy.deepcopy(self.generation_config)
@@ -144,6 +150,8 @@ class Drama3GenerationMixin:
             raise ValueError(f"max_new_tokens (frames) must be >= 1, got {settings.max_new_tokens}")
         if settings.stop_check_interval < 1:
             raise ValueError(f"stop_check_interval must be >= 1, got {settings.stop_check_interval}")
+        if not isinstance(settings.fast_decode, bool):
+            raise ValueError(f"fast_decode must be True or False, got {settings.fast_decode!r}")
         if settings.do_sample:
             for name in ("temperature", "ras_temperature", "codebook_temperature"):
                 if getattr(settings, name) is None or getattr(settings, name) <= 0:
@@ -192,9 +200,15 @@ class Drama3GenerationMixin:
         if rows > limit:
             raise ValueError(f"the prompt has {rows} rows but the backbone's context is {limit} rows")
 
+        if settings.fast_decode:
+            check_fast_decode(self, device)
+
         loop = _FrameLoop(self, settings, input_ids, attention_mask, generator, streamer)
         with tqdm(total=settings.max_new_tokens, unit="frame", disable=not show_progress, leave=False) as bar:
-            loop.run(on_step=bar.update)
+            if settings.fast_decode:
+                run_fast(loop, on_step=bar.update)
+            else:
+                loop.run(on_step=bar.update)
         if streamer is not None:
             streamer.end()
 
@@ -228,15 +242,7 @@ class _FrameLoop:
         self.mask = attention_mask if not bool(attention_mask.all()) else None  # None: no padding anywhere
         self.slots = rows  # rows in the backbone cache
 
-        self.main_processor = RepetitionAwareLogitsProcessor(
-            TopKTopPWarper(settings.temperature, settings.top_k, settings.top_p, keep_crossing=True),
-            TopKTopPWarper(settings.ras_temperature, settings.ras_top_k, settings.ras_top_p, keep_crossing=True),
-            window=settings.ras_window,
-        )
-        codebook_top_k = min(settings.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP)
-        self.codebook_warper = TopKTopPWarper(
-            settings.codebook_temperature, codebook_top_k, settings.codebook_top_p, keep_crossing=False
-        )
+        self.sampler = FrameSampler(settings)
         # RAS window: the last prompt rows' main ids as candidate columns (-1 for text rows).
         main = input_ids[..., 0]
         columns = torch.where(model.is_audio_row(main), main - config.semantic_start_token_id + 1, -1)
@@ -253,22 +259,18 @@ class _FrameLoop:
             model.tower(hidden[:, :-1], input_ids[:, :-1], input_ids[:, 1:], positions[:, :-1], tower_mask, self.tower_cache)
         self.hidden, self.row, self.position = hidden[:, -1], input_ids[:, -1], positions[:, -1]
 
-    def _sample_codebook(self, logits: torch.Tensor, index: int) -> torch.Tensor:
-        if not self.settings.do_sample:
-            return logits.argmax(-1)
-        return draw(self.codebook_warper(None, logits), self.generator)
-
     def _step(self) -> torch.Tensor:
         """One frame for every running sequence; returns the new rows `[b, 1 + NCB]`."""
         model = self.model
         logits = model.lm_head(self.hidden).index_select(-1, self.candidates).float()  # [b, V + 1]
-        if self.settings.do_sample:
-            column = draw(self.main_processor(self.history, logits), self.generator)
-        else:
-            column = logits.argmax(-1)
+        noise = self.sampler.frame_noise(
+            logits.shape[0], model.config.num_codebooks, logits.shape[1], self.generator, logits.device
+        )  # [b, NCB, V + 1] or None
+        column = self.sampler.main(logits, self.history, noise)
         main = self.candidates[column]  # [b]
         codes, _ = model.tower.decode_frame(
-            self.hidden, self.row, main, self.position, self.mask, self.tower_cache, self._sample_codebook
+            self.hidden, self.row, main, self.position, self.mask, self.tower_cache,
+            lambda head_logits, index: self.sampler.codebook(head_logits, index, noise),
         )
         if self.settings.ras_window:
             self.history = torch.cat((self.history, column[:, None]), dim=1)[:, -self.settings.ras_window :]

@@ -257,11 +257,14 @@ class Drama3TowerAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, heads, T, hd]
         v = v.view(batch, rows, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
-            k, v = cache.update(k, v, layer_idx)  # [B, KV, past + T, hd]
+            k, v = cache.update(k, v, layer_idx)  # [B, KV, keys, hd]
+        # Grouped-query attention without copying K/V per query head: query head h reads KV head h // groups, so the
+        # `groups` query heads of a KV head become extra query rows of that head.
         groups = self.n_head // self.n_kv
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        q = q.reshape(batch, self.n_kv, groups * rows, self.head_dim)  # [B, KV, groups * T, hd]
+        mask = mask.repeat(1, 1, groups, 1) if mask.shape[2] > 1 else mask  # row g * T + t is row t's
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        attn = attn.transpose(1, 2).reshape(batch, rows, -1)  # [B, T, H * hd]
+        attn = attn.reshape(batch, self.n_head, rows, self.head_dim).transpose(1, 2).reshape(batch, rows, -1)  # [B, T, H * hd]
         return self.wo(attn * torch.sigmoid(gate))
 
 
@@ -519,7 +522,20 @@ class Drama3CodebookTower(nn.Module):
         device = hidden_states.device
         rope = rotary_angles(position_ids.to(device)[:, None], self.config.rotary_dim, self.config.rope_base)
         mask = attention_mask_4d(attention_mask, past, 1, device)
+        return self.decode_codes(hidden_states, input_frame, main_token, rope, mask, cache, sample_codebook)
 
+    def decode_codes(
+        self,
+        hidden_states: torch.Tensor,  # [B, D]
+        input_frame: torch.Tensor,  # [B, 1 + NCB]
+        main_token: torch.Tensor,  # [B]
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, 1, 1, rotary_dim / 2] of the last row's position
+        mask: torch.Tensor,  # [B or 1, 1, 1, keys] bool, True = may attend (the keys the cache returns)
+        cache: Cache,
+        sample_codebook: CodebookSampler,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`decode_frame` with the rotary angles and the mask given: any transformers `Cache` with one layer per
+        tower layer works, e.g. preallocated `StaticLayer`s whose every slot is a key (the fast decode path)."""
         is_audio = self.is_audio(main_token)[:, None]  # [B, 1]
         code = (main_token - self.semantic_start_token_id).clamp(0, self.vocab_size - 1)  # [B]
         extra = self.input_extra(input_frame[:, None])  # [B, 1, D]

@@ -17,6 +17,12 @@ import torch
 from transformers import LogitsProcessor
 
 MIN_TEMPERATURE = 1e-5
+CODEBOOK_TOP_K_CAP = 30  # SPEC 6: codebook top-k is capped at 30
+# Settings a sampling frame step depends on (besides do_sample).
+SAMPLING_SETTINGS = (
+    "temperature", "top_k", "top_p", "ras_window", "ras_temperature", "ras_top_k", "ras_top_p",
+    "codebook_temperature", "codebook_top_k", "codebook_top_p",
+)
 
 
 class TopKTopPWarper(LogitsProcessor):
@@ -85,10 +91,60 @@ class RepetitionAwareLogitsProcessor(LogitsProcessor):
         return (first * ~repeated + redraw_mass * second).log()
 
 
-def draw(log_probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """One draw per row from `softmax(log_probs)` `[B, C]` -> `[B]` (-inf entries are never drawn)."""
-    probs = log_probs.float().softmax(dim=-1)
-    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+def draw(log_probs: torch.Tensor, generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+    """One draw per row from `softmax(log_probs)` `[B, C]` -> `[B]` (-inf entries are never drawn).
+
+    Exponential race (the Gumbel-max trick): with `E_i = -log(u_i)` for uniform `u` `[B, C]` in [0, 1), the index of
+    the largest `p_i / E_i` has law `p` exactly. `noise` is that `u` (taken from `generator` when not given), so a
+    caller can draw all the randomness of a step at once, outside a captured CUDA graph.
+    """
+    if noise is None:
+        noise = torch.rand(log_probs.shape, generator=generator, device=log_probs.device)
+    return (log_probs.float() - torch.log(-torch.log(noise))).argmax(dim=-1)
 
 
-__all__ = ["RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw"]
+class FrameSampler:
+    """The draws of one frame of `generate` (SPEC 6): the main token with RAS, then codes 1..NCB-1.
+
+    Built from the generation settings. All randomness of a frame is one uniform tensor `[B, NCB, V + 1]`
+    (`frame_noise`): the main token draws from `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`. With
+    `do_sample=False` every draw is an argmax and no noise is used.
+    """
+
+    def __init__(self, settings):
+        self.do_sample = settings.do_sample
+        self.window = settings.ras_window
+        self.main_processor = RepetitionAwareLogitsProcessor(
+            TopKTopPWarper(settings.temperature, settings.top_k, settings.top_p, keep_crossing=True),
+            TopKTopPWarper(settings.ras_temperature, settings.ras_top_k, settings.ras_top_p, keep_crossing=True),
+            window=settings.ras_window,
+        )
+        codebook_top_k = min(settings.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP)
+        self.codebook_warper = TopKTopPWarper(
+            settings.codebook_temperature, codebook_top_k, settings.codebook_top_p, keep_crossing=False
+        )
+        # What a captured frame step bakes in: one CUDA graph per distinct key.
+        self.key = (self.do_sample,) + (
+            tuple(getattr(settings, name) for name in SAMPLING_SETTINGS) if self.do_sample else (self.window,)
+        )
+
+    def frame_noise(self, batch: int, num_codebooks: int, num_candidates: int, generator, device) -> torch.Tensor | None:
+        """Uniform noise `[batch, NCB, V + 1]` for one frame (None when greedy)."""
+        if not self.do_sample:
+            return None
+        return torch.rand(batch, num_codebooks, num_candidates, generator=generator, device=device)
+
+    def main(self, logits: torch.Tensor, history: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
+        """Candidate column `[B]` of the main token from its logits `[B, V + 1]` (float32) and the RAS history."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        return draw(self.main_processor(history, logits), noise=noise[:, 0])
+
+    def codebook(self, logits: torch.Tensor, index: int, noise: torch.Tensor | None) -> torch.Tensor:
+        """Code `[B]` of codebook `index` (1..NCB-1) from its head's logits `[B, V]`."""
+        if not self.do_sample:
+            return logits.argmax(-1)
+        return draw(self.codebook_warper(None, logits), noise=noise[:, index, : logits.shape[-1]])
+
+
+__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw"]

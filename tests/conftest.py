@@ -11,6 +11,16 @@ FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_TINY = FIXTURES / "tiny"
 
 
+def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts `[T_i, 11]` as one left-padded batch `[B, max T_i, 11]` and its attention mask `[B, max T_i]`."""
+    rows = max(p.shape[0] for p in prompts)
+    batch = torch.zeros(len(prompts), rows, 11, dtype=torch.long)
+    mask = torch.zeros(len(prompts), rows, dtype=torch.long)
+    for index, p in enumerate(prompts):
+        batch[index, rows - p.shape[0] :], mask[index, rows - p.shape[0] :] = p, 1
+    return batch, mask
+
+
 @pytest.fixture(scope="session")
 def expected():
     """Tensors of `fixtures/expected.safetensors` (see fixtures/README.md for names and tolerances)."""

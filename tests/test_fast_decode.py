@@ -13,7 +13,7 @@ from transformers_drama3.fast_decode import bucket_size, capacity_for, check_fas
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, left_padded
 
 
 @pytest.fixture(scope="module")
@@ -64,20 +64,11 @@ def test_sampling_without_ras_window(model, prompt):
     assert_same_generation(*both_paths(model, prompt, seed=5, max_new_tokens=10, ras_window=0))
 
 
-def _left_padded(*prompts):
-    rows = max(p.shape[0] for p in prompts)
-    batch = torch.zeros(len(prompts), rows, 11, dtype=torch.long)
-    mask = torch.zeros(len(prompts), rows, dtype=torch.long)
-    for index, p in enumerate(prompts):
-        batch[index, rows - p.shape[0] :], mask[index, rows - p.shape[0] :] = p, 1
-    return batch, mask
-
-
 def test_padded_batch_shrinks_bucket_by_bucket(model, expected):
     """Three left-padded prompts (bucket 4, one padding copy) that end after 12, 7 and 18 frames: the running ones
     move to buckets 2 and 1 at stop checks, and every sequence still gets the regular path's greedy frames."""
     a = expected["prompt_a_rows"]
-    batch, mask = _left_padded(a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
+    batch, mask = left_padded(a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
     model.reset_fast_decode()
     regular, fast = both_paths(
         model, batch, attention_mask=mask, do_sample=False, max_new_tokens=30, stop_check_interval=2
@@ -89,7 +80,7 @@ def test_padded_batch_shrinks_bucket_by_bucket(model, expected):
 
 def test_batch_of_two_samples_and_stops_like_generate(model, expected):
     """Bucket 2 holds exactly the batch, so even sampled runs match the regular path until a sequence leaves."""
-    batch, mask = _left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
+    batch, mask = left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
     regular, fast = both_paths(model, batch, attention_mask=mask, seed=2, max_new_tokens=6, stop_check_interval=6)
     assert_same_generation(regular, fast)
 
@@ -291,3 +282,28 @@ def test_cuda_switches_uncapturable_experts(model, caplog):
         check_fast_decode(model, torch.device("cpu"))  # on the CPU nothing is captured: any implementation runs
     finally:
         model.set_experts_implementation("eager")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs (run on a GPU machine: `python -m pytest tests/test_fast_decode.py -k cuda`)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_replays_give_the_regular_frames(expected):
+    """On CUDA the fast path replays captured graphs: greedy and seeded runs, and a padded batch that shrinks
+    bucket by bucket (a capture per bucket, one mid-request), give the regular path's frames."""
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, device_map="cuda")
+    model.set_experts_implementation("batched_mm")  # what the fast path uses on CUDA, on both paths here
+    a = expected["prompt_a_rows"]
+    prompt = a[None].cuda()
+    assert_same_generation(*both_paths(model, prompt, do_sample=False, max_new_tokens=16))
+    assert model._fast_decoder.states[(1, 16)].graphs  # the frames came from graph replays
+    for seed in range(3):
+        assert_same_generation(*both_paths(model, prompt, seed=seed, max_new_tokens=24))
+    batch, mask = left_padded(a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
+    regular, fast = both_paths(
+        model, batch.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=30, stop_check_interval=2
+    )
+    assert_same_generation(regular, fast)
+    assert all(state.graphs for state in model._fast_decoder.states.values())

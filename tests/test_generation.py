@@ -8,7 +8,7 @@ from transformers_drama3.generation_drama3 import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, left_padded
 
 
 @pytest.fixture(scope="module")
@@ -131,18 +131,9 @@ def test_seeded_runs_are_identical(model, prompt):
     assert not torch.equal(a.sequences, d.sequences)
 
 
-def _left_padded(*prompts):
-    rows = max(p.shape[0] for p in prompts)
-    batch = torch.zeros(len(prompts), rows, 11, dtype=torch.long)
-    mask = torch.zeros(len(prompts), rows, dtype=torch.long)
-    for index, p in enumerate(prompts):
-        batch[index, rows - p.shape[0] :], mask[index, rows - p.shape[0] :] = p, 1
-    return batch, mask
-
-
 def test_greedy_batch_equals_single_and_finished_sequences_leave_the_batch(model, expected):
     a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
-    batch, mask = _left_padded(a, b)
+    batch, mask = left_padded(a, b)
     sizes = []
     original = model.tower.decode_frame
 
@@ -175,7 +166,7 @@ def test_streamed_audio_equals_the_one_shot_audio(model, prompt):
 
 
 def test_streaming_needs_batch_one(model, expected):
-    batch, mask = _left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
+    batch, mask = left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
     with pytest.raises(ValueError, match="one sequence at a time"):
         model.generate(batch, attention_mask=mask, streamer=Drama3AudioStreamer(model.codec), max_new_tokens=2)
 

@@ -2,12 +2,14 @@
 CUDA graph on CUDA devices.
 
 The prefill runs as in the regular path (`_FrameLoop`); its caches are then copied into a `StaticFrameState`:
-transformers' `StaticCache` for the backbone (full-attention KV and linear-attention states), `StaticLayer`s for
-the tower, and fixed buffers for the last hidden state, row, position, RAS window, slot mask, noise and outputs.
+transformers' `StaticCache` for the backbone (full-attention KV and linear-attention states), static layers for the
+tower, and fixed buffers for the last hidden state, row, position, RAS window, slot mask, noise and outputs.
 `StaticFrameState.step` is one whole frame (main-token logits from the V + 1 candidate rows of `lm_head`, the
 main-token draw, the tower's codes with their draws, the new row's backbone step). It never changes a shape, never
 reads a value back to the host and updates every buffer in place, so a CUDA graph captured once replays it. The
 randomness of a frame is one uniform tensor filled outside the graph (`FrameSampler`), so seeds work as usual.
+Attention reads a window of the preallocated rows (256 doubled until the rows in use fit, `visible_rows`): one graph
+per window, switched as a request grows.
 
 Batches run in buckets of 1, 2, 4, 8, ... sequences: a batch is padded with copies of its first sequence (marked
 ended), and when enough sequences have ended, the running ones move to the smaller bucket's state at a stop check.
@@ -348,7 +350,6 @@ def run_fast(loop, on_step) -> None:
     members = list(range(batch))  # original index of state row i, for the first len(members) rows
     member_index = torch.arange(batch, device=device)
     steps = [0] * batch  # frames recorded per sequence
-    eos_id = model.config.eos_token_id
     for step in range(frames):
         if visible_rows(loop.slots + step + 1, capacity) != visible:  # this step's new row is row slots + step
             visible = visible_rows(loop.slots + step + 1, capacity)
@@ -375,16 +376,4 @@ def run_fast(loop, on_step) -> None:
                 state, members = smaller, [members[i] for i in running.tolist()]
                 member_index = torch.tensor(members, device=device)
 
-    _finish(loop, steps, eos_id, frames == settings.max_new_tokens)
-
-
-def _finish(loop, steps: list[int], eos_id: int, length_limited: bool) -> None:
-    """Cut each sequence at its first EOS (rows after it are zeroed) and set `lengths` and `finish_reason`."""
-    for original, recorded in enumerate(steps):
-        eos = (loop.frames[original, :recorded, 0] == eos_id).nonzero()
-        if eos.numel():
-            length, reason = int(eos[0, 0]), "eos"
-        else:
-            length, reason = recorded, "length" if length_limited else "context"
-        loop.frames[original, length:] = 0
-        loop.lengths[original], loop.finish_reason[original] = length, reason
+    loop.end_at_first_eos(steps, length_limited=frames == settings.max_new_tokens)

@@ -180,8 +180,9 @@ class Drama3GenerationMixin:
         Settings come from `model.generation_config` (Drama 3 defaults) updated by `generation_config` and by
         keywords (`temperature`, `top_p`, `top_k`, `ras_*`, `codebook_*`, `max_new_tokens`, `do_sample`, ...); an
         unknown keyword is an error. `do_sample=False` is greedy everywhere (no RAS). `seed` (or a
-        `torch.Generator`) makes a run reproducible bit for bit on the same machine. Returns a
-        `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
+        `torch.Generator`) makes a run reproducible bit for bit on the same machine. `fast_decode=True` runs the frames
+        over preallocated state, one CUDA graph replay per frame on CUDA (`fast_decode.py`; same frames, see
+        docs/usage.md). Returns a `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
         """
         settings = self._generation_settings(generation_config, dict(kwargs))
         self.check_frames(input_ids)
@@ -310,6 +311,18 @@ class _FrameLoop:
             setattr(self, name, getattr(self, name)[index])
         if self.mask is not None:
             self.mask = self.mask[index]
+
+    def end_at_first_eos(self, recorded: list[int], length_limited: bool) -> None:
+        """For frames recorded without stopping (the fast path: `recorded[i]` rows of sequence `i`, ended ones
+        included): cut each sequence at its first EOS row (zeroing the rest) and set `lengths` and `finish_reason`."""
+        for index, rows in enumerate(recorded):
+            eos = (self.frames[index, :rows, 0] == self.model.config.eos_token_id).nonzero()
+            if eos.numel():
+                self.lengths[index], self.finish_reason[index] = int(eos[0, 0]), FINISH_EOS
+            else:
+                self.lengths[index] = rows
+                self.finish_reason[index] = FINISH_LENGTH if length_limited else FINISH_CONTEXT
+            self.frames[index, self.lengths[index] :] = 0
 
     def run(self, on_step) -> None:
         check_every = self.settings.stop_check_interval

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.fast_decode import bucket_size, capacity_for, check_fast_decode, fast_decoder, visible_rows
+from transformers_drama3.fast_decode import (
+    StaticFrameState, bucket_size, capacity_for, check_fast_decode, fast_decoder, visible_rows,
+)
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.testing import write_tiny_checkpoint
 
@@ -237,21 +239,39 @@ def test_attention_window_doubles_up_to_the_capacity(rows, window):
     assert visible_rows(rows, 2304) == window
 
 
-def test_long_request_crosses_attention_windows(model, expected):
-    """A 72-row prompt and 300 greedy frames (EOS's lm_head row zeroed, so it loses every argmax) cross from the
-    256-row attention window to the 512-row one mid-request; frames match the regular path throughout."""
-    prompt = expected["prompt_b_rows"][None]
+def test_request_crossing_an_attention_window_keeps_the_hidden_states(model, expected, monkeypatch):
+    """250 prompt rows: the 7th frame's row is row 257, so the step moves from the 256-row attention window to the
+    512-row one mid-request. Every frame's backbone hidden state equals the regular path's (1e-4; both are float32
+    over the same rows, the fast one with masked padding slots), not only the argmax. EOS's lm_head row is zeroed
+    so the run cannot stop early."""
+    rows = torch.cat([expected["prompt_b_rows"]] * 4)[:250][None]
+    hidden = {"regular": [], "fast": []}
+    feed_back, step = _FrameLoop._feed_back, StaticFrameState.step
+
+    def regular_feed_back(loop, new_rows):
+        feed_back(loop, new_rows)
+        hidden["regular"].append(loop.hidden.clone())
+
+    def fast_step(state, sampler, visible):
+        step(state, sampler, visible)
+        hidden["fast"].append(state.hidden.clone())
+
+    monkeypatch.setattr(_FrameLoop, "_feed_back", regular_feed_back)
+    monkeypatch.setattr(StaticFrameState, "step", fast_step)
     eos = model.config.eos_token_id
     original = model.lm_head.weight[eos].detach().clone()
     try:
         with torch.no_grad():
             model.lm_head.weight[eos] = 0.0
-        regular, fast = both_paths(model, prompt, do_sample=False, max_new_tokens=300, output_audio=False)
+        regular, fast = both_paths(model, rows, do_sample=False, max_new_tokens=12, output_audio=False)
     finally:
         with torch.no_grad():
             model.lm_head.weight[eos] = original
     assert fast.finish_reason == ["length"]
     assert_same_generation(regular, fast)
+    assert len(hidden["regular"]) == 11 and len(hidden["fast"]) == 12  # the fast step also feeds the last frame
+    for index, (fast_hidden, regular_hidden) in enumerate(zip(hidden["fast"], hidden["regular"])):
+        torch.testing.assert_close(fast_hidden, regular_hidden, atol=1e-4, rtol=1e-4, msg=f"frame {index + 1}")
 
 
 def test_fast_decode_must_be_a_bool(model, prompt):

@@ -18,7 +18,8 @@ backbone step (`run_backbone` of the new row), each timed alone; above batch 1 t
 `--eager-batch-frames` timed frames (the eager step is slow at real size).
 
 Also: the codec (a streaming decoder fed `--chunk-frames`-frame chunks, per frame) as a share of the eager and the
-fast frame step; time to first audio when streaming (a `Drama3AudioStreamer` with `first_chunk_frames=1`, from the
+fast frame step; streamed `generate` calls of `--stream-frames` greedy frames (EOS suppressed) with the codec
+decoding in line and in `Drama3AudioStreamer(overlap=True)`'s worker thread, wall time per frame on each path; time to first audio when streaming (a `Drama3AudioStreamer` with `first_chunk_frames=1`, from the
 `generate` call to the first chunk) on both paths, the fast path's first (cold) call, which builds its state and
 captures its graph, apart; a correctness check, the first `--check-frames` frames of `generate` on both paths, greedy
 and seeded sampling (leading identical frames); peak memory; and the backbone step with each experts
@@ -114,6 +115,8 @@ def parse_args() -> argparse.Namespace:
                         help="timed backbone steps per experts implementation, after --warmup untimed ones")
     parser.add_argument("--prompt-rows", type=int, default=50, help="text rows of the prompt (default 50)")
     parser.add_argument("--chunk-frames", type=int, default=7, help="frames per streamed codec chunk (default 7)")
+    parser.add_argument("--stream-frames", type=int, default=21,
+                        help="frames of each streamed generate call, codec in line vs overlapped (default 21)")
     parser.add_argument("--codec-chunks", type=int, default=4, help="timed codec chunks, after one untimed")
     parser.add_argument("--ttfa-runs", type=int, default=3, help="timed time-to-first-audio runs, after one untimed")
     parser.add_argument("--check-frames", type=int, default=32,
@@ -477,6 +480,41 @@ def first_audio_runs(model: FishOmniForSpeech, prompt: torch.Tensor, fast: bool,
     return {**summary_ms(seconds[1:]), "first_call": calls[0], "calls": calls}
 
 
+@contextlib.contextmanager
+def eos_suppressed(model: FishOmniForSpeech):
+    """EOS's `lm_head` row zeroed (its logit is 0, below the best of the 4096 semantic logits): runs reach their
+    frame count."""
+    row = model.lm_head.weight[model.config.eos_token_id]
+    saved = row.detach().clone()
+    row.data.zero_()
+    try:
+        yield
+    finally:
+        row.data.copy_(saved)
+
+
+def measure_streaming(model: FishOmniForSpeech, prompt: torch.Tensor, args: argparse.Namespace,
+                      device: torch.device) -> dict:
+    """Greedy streamed `generate` of `--stream-frames` frames (EOS suppressed), `--chunk-frames`-frame chunks: wall
+    ms per frame with the codec decoding in line (`overlap=False`) and in its worker thread (`overlap=True`), on
+    each path; one untimed call per path first."""
+    results = {}
+    with eos_suppressed(model):
+        for fast in (False, True):
+            with fast_experts(model, device) if fast else contextlib.nullcontext():
+                for overlap in (None, False, True):  # None: the untimed warm-up
+                    streamer = Drama3AudioStreamer(model.codec, chunk_frames=args.chunk_frames, overlap=bool(overlap))
+                    _, seconds = timed(lambda: model.generate(
+                        prompt, streamer=streamer, do_sample=False, max_new_tokens=args.stream_frames,
+                        output_audio=False, fast_decode=fast), device)
+                    if overlap is not None:
+                        results[f"{'fast' if fast else 'eager'}_{'overlap' if overlap else 'inline'}_ms_per_frame"] = (
+                            1e3 * seconds / args.stream_frames)
+    for name in ("eager", "fast"):
+        results[f"{name}_overlap_speedup"] = results[f"{name}_inline_ms_per_frame"] / results[f"{name}_overlap_ms_per_frame"]
+    return results
+
+
 def compare_paths(model: FishOmniForSpeech, prompt: torch.Tensor, frames: int, device: torch.device,
                   **settings) -> dict:
     """The first `frames` frames of `generate` on the eager and the fast path (same settings and experts): lengths,
@@ -615,6 +653,18 @@ def print_first_audio(report: dict) -> None:
           f"first audio {first}, whole call {cold['call_ms']:.1f} ms (eager's first call {eager['first_call']['call_ms']:.1f} ms)")
 
 
+def print_streaming(report: dict) -> None:
+    result = report["streaming"]
+    line = f"streamed generate, {report['stream_frames']} greedy frames in {report['chunk_frames']}-frame chunks, wall ms per frame"
+    if "error" in result:
+        print(f"{line}: failed: {result['error'][:90]}")
+        return
+    print(f"{line}: " + "; ".join(
+        f"{name} {result[f'{name}_inline_ms_per_frame']:.1f} with the codec in line, "
+        f"{result[f'{name}_overlap_ms_per_frame']:.1f} overlapped ({result[f'{name}_overlap_speedup']:.2f}x)"
+        for name in ("eager", "fast")))
+
+
 def print_checks(report: dict) -> None:
     for name, check in report["check"].items():
         what = "greedy" if name == "greedy" else f"sampled (seed {report['seed']})"
@@ -634,6 +684,7 @@ def print_report(report: dict) -> None:
     print_split(report)
     print_codec(report)
     print_first_audio(report)
+    print_streaming(report)
     print_checks(report)
     print(f"peak memory: {report['peak_memory']['gib']:.2f} GiB ({report['peak_memory']['kind']})")
     print(f"\n{'backbone step by experts implementation':<44} {'median ms':>10} {'speed-up over eager':>20}")
@@ -670,6 +721,7 @@ def main() -> None:
                        "fast": attempt(lambda: measure_first_audio(model, prompt, True, args, device))}
         if "error" not in first_audio["fast"]:
             first_audio["speedup_over_eager"] = first_audio["eager"]["median_ms"] / first_audio["fast"]["median_ms"]
+        streaming = attempt(lambda: measure_streaming(model, prompt, args, device))
         check = {"greedy": attempt(lambda: compare_paths(model, prompt, args.check_frames, device, do_sample=False)),
                  "sampled": attempt(lambda: compare_paths(model, prompt, args.check_frames, device, seed=args.seed))}
         experts = measure_experts(model, prompt, args, device)
@@ -706,6 +758,8 @@ def main() -> None:
         "codec": codec,
         "codec_share": codec_share(codec, frame_step[0], audio_ms),
         "time_to_first_audio": first_audio,
+        "streaming": streaming,
+        "stream_frames": args.stream_frames,
         "check": check,
         "experts": experts,
         "peak_memory": peak_memory(device),

@@ -234,3 +234,28 @@ def test_bad_input_rows(model):
         model.generate(torch.zeros(1, 4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="at least one prompt row"):
         model.generate(torch.zeros(1, 0, 11, dtype=torch.long))
+
+
+@pytest.mark.parametrize("fast_decode", [False, True])
+def test_overlapped_streaming_gives_the_same_chunks(model, prompt, fast_decode):
+    """`overlap=True` decodes in a worker thread: the same chunks in the same order as decoding in line."""
+    inline = Drama3AudioStreamer(model.codec, chunk_frames=3, first_chunk_frames=1)
+    overlapped = Drama3AudioStreamer(model.codec, chunk_frames=3, first_chunk_frames=1, overlap=True)
+    a = model.generate(prompt, seed=3, max_new_tokens=11, streamer=inline, fast_decode=fast_decode)
+    b = model.generate(prompt, seed=3, max_new_tokens=11, streamer=overlapped, fast_decode=fast_decode)
+    assert torch.equal(a.sequences, b.sequences)
+    assert [c.shape for c in overlapped.chunks] == [c.shape for c in inline.chunks] and len(inline.chunks) > 2
+    assert all(torch.equal(x, y) for x, y in zip(overlapped.chunks, inline.chunks))
+    assert [c.shape for c in overlapped] == [c.shape for c in inline.chunks]  # the iterator ends after the last
+
+
+def test_overlapped_streaming_reraises_a_codec_error(model, prompt, monkeypatch):
+    streamer = Drama3AudioStreamer(model.codec, chunk_frames=2, overlap=True)
+
+    def broken(codes):
+        raise RuntimeError("codec failed")
+
+    monkeypatch.setattr(streamer.decoder, "decode", broken)
+    with pytest.raises(RuntimeError, match="codec failed"):
+        model.generate(prompt, seed=3, max_new_tokens=6, streamer=streamer)
+    assert list(streamer) == []  # a consumer still sees the end of the stream

@@ -281,7 +281,7 @@ def stream_to_file(path: Path, model, run):
     import soundfile  # imported on first use, as the processor does
 
     file_format, subtype = _audio_file_format(path)
-    streamer = Drama3AudioStreamer(model.codec)
+    streamer = Drama3AudioStreamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
     result, failures = [], []
 
     def write(file) -> None:

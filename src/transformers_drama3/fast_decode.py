@@ -297,7 +297,9 @@ class FastFrameDecoder:
                     step()
             torch.cuda.current_stream(device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a streamer's codec worker (`Drama3AudioStreamer(overlap=True)`) may keep decoding on its own
+        # stream while this thread captures.
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             step()
         return graph
 

@@ -327,3 +327,12 @@ def test_cuda_graph_replays_give_the_regular_frames(expected):
     )
     assert_same_generation(regular, fast)
     assert all(state.graphs for state in model._fast_decoder.states.values())
+    # The codec decoding on its own stream in a worker thread while graphs replay (and get captured: new state).
+    model.reset_fast_decode()
+    inline = Drama3AudioStreamer(model.codec, chunk_frames=3)
+    overlapped = Drama3AudioStreamer(model.codec, chunk_frames=3, overlap=True)
+    a_run = model.generate(prompt, do_sample=False, max_new_tokens=11, streamer=inline, fast_decode=True)
+    model.reset_fast_decode()
+    b_run = model.generate(prompt, do_sample=False, max_new_tokens=11, streamer=overlapped, fast_decode=True)
+    assert_same_generation(a_run, b_run)
+    assert all(torch.equal(x, y) for x, y in zip(overlapped.chunks, inline.chunks)) and len(inline.chunks) > 1

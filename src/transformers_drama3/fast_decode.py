@@ -120,10 +120,10 @@ class StaticFrameState:
     another bucket's). Load sequences into the state with `load_prefill` or `load_from`.
     """
 
-    def __init__(self, model, batch: int, capacity: int, window: int, backbone_template: Cache):
+    def __init__(self, model, batch: int, capacity: int, ras_window: int, backbone_template: Cache):
         config = model.config
         device = model.lm_head.weight.device
-        self.model, self.batch, self.capacity, self.window = model, batch, capacity, window
+        self.model, self.batch, self.capacity, self.ras_window = model, batch, capacity, ras_window
         self.candidates = model.main_candidate_ids(device)  # [V + 1]
         num_candidates = self.candidates.numel()
         hidden_size = config.text_config.hidden_size
@@ -148,7 +148,7 @@ class StaticFrameState:
         self.position = torch.zeros(batch, **long)  # [b] the last row's position
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # [b, C] slots holding real rows
         self.slot = torch.zeros(1, **long)  # the backbone slot of the next row
-        self.history = torch.full((batch, window), -1, **long)  # [b, W] RAS window (candidate columns)
+        self.history = torch.full((batch, ras_window), -1, **long)  # [b, W] RAS window (candidate columns)
         self.noise = torch.zeros(batch, config.num_codebooks, num_candidates, device=device)  # [b, NCB, V + 1]
         self.ended = torch.zeros(batch, dtype=torch.bool, device=device)  # [b] EOS drawn (or a padding copy)
         self.new_rows = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] output of the step
@@ -173,9 +173,9 @@ class StaticFrameState:
         self.row.copy_(row.index_select(0, index))
         self.position.copy_(position.index_select(0, index))
         self.history.fill_(-1)
-        if self.window:
-            history = history[:, -self.window :]
-            self.history[:, self.window - history.shape[1] :].copy_(history.index_select(0, index))
+        if self.ras_window:
+            history = history[:, -self.ras_window :]
+            self.history[:, self.ras_window - history.shape[1] :].copy_(history.index_select(0, index))
         self.ended.copy_(ended.index_select(0, index))
         self.ended[count:] = True
         self.slot.fill_(slot)
@@ -226,7 +226,7 @@ class StaticFrameState:
             self.hidden, self.row, main, rope, valid[:, None, None, :], self.tower_cache,
             lambda head_logits, index: sampler.codebook(head_logits, index, noise),
         )  # [b, NCB]
-        if self.window:
+        if self.ras_window:
             self.history.copy_(torch.cat((self.history[:, 1:], column[:, None]), dim=1))
         self.ended.logical_or_(column == 0)
         new_rows = torch.cat((main[:, None], codes), dim=1)  # [b, 1 + NCB]
@@ -262,13 +262,13 @@ class FastFrameDecoder:
         """Changes when parameters are replaced or moved (a captured graph reads them at fixed addresses)."""
         return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
 
-    def state(self, batch: int, capacity: int, window: int, backbone_template: Cache) -> StaticFrameState:
+    def state(self, batch: int, capacity: int, ras_window: int, backbone_template: Cache) -> StaticFrameState:
         """The state of bucket `batch` (a power of two) with room for `capacity` rows, built when missing or small."""
-        state = self.states.get((batch, window))
+        state = self.states.get((batch, ras_window))
         if state is None or state.capacity < capacity:
-            self.states.pop((batch, window), None)  # free the old buffers first
-            state = StaticFrameState(self.model, batch, capacity, window, backbone_template)
-            self.states[(batch, window)] = state
+            self.states.pop((batch, ras_window), None)  # free the old buffers first
+            state = StaticFrameState(self.model, batch, capacity, ras_window, backbone_template)
+            self.states[(batch, ras_window)] = state
         return state
 
     def runner(self, state: StaticFrameState, sampler: FrameSampler, visible: int):

@@ -4,13 +4,14 @@ a CUDA graph capture relies on (one traced graph, every buffer updated in place)
 runs on CUDA devices (docs/performance.md has the GPU check)."""
 
 import logging
+import threading
 
 import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.fast_decode import (
-    StaticFrameState, bucket_size, capacity_for, check_fast_decode, fast_decoder, visible_rows,
+    FastFrameDecoder, StaticFrameState, bucket_size, capacity_for, check_fast_decode, fast_decoder, visible_rows,
 )
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.testing import write_tiny_checkpoint
@@ -158,6 +159,48 @@ def test_replaced_parameters_rebuild_the_decoder(model, prompt):
         model.tower.heads[0].weight = original
 
 
+def test_a_failed_request_leaves_nothing_behind(model, prompt):
+    """A streamer error stops a request mid-way; the next request loads its own rows over the state."""
+
+    class Failing(Drama3AudioStreamer):
+        def put(self, value):
+            if len(self._pending) == 2:
+                raise RuntimeError("listener went away")
+            super().put(value)
+
+    with pytest.raises(RuntimeError, match="listener went away"):
+        model.generate(prompt, seed=3, max_new_tokens=11, fast_decode=True, streamer=Failing(model.codec, 5))
+    assert model._fast_decoder._owner is None  # released
+    assert_same_generation(*both_paths(model, prompt, seed=1, max_new_tokens=12))
+
+
+def test_threads_take_turns_and_nested_calls_are_refused(model, prompt, expected):
+    """Two threads generating at once on the fast path wait for each other (they share the model's state) and get
+    what they get alone; a fast-path `generate` from inside a running one (a streamer) is refused."""
+    other = expected["prompt_b_rows"][None]
+    alone = [model.generate(p, do_sample=False, max_new_tokens=10, fast_decode=True) for p in (prompt, other)]
+    results = [None, None]
+
+    def run(index, rows):
+        results[index] = model.generate(rows, do_sample=False, max_new_tokens=10, fast_decode=True)
+
+    threads = [threading.Thread(target=run, args=(i, p)) for i, p in enumerate((prompt, other))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for together, single in zip(results, alone):
+        assert_same_generation(single, together)
+
+    class Nested(Drama3AudioStreamer):
+        def put(self, value):
+            model.generate(prompt, max_new_tokens=2, fast_decode=True)
+
+    with pytest.raises(RuntimeError, match="from inside a running fast-path generate"):
+        model.generate(prompt, seed=0, max_new_tokens=4, fast_decode=True, streamer=Nested(model.codec))
+    assert model._fast_decoder._owner is None
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # What a CUDA graph capture relies on
 # ---------------------------------------------------------------------------------------------------------------
@@ -166,7 +209,7 @@ def test_replaced_parameters_rebuild_the_decoder(model, prompt):
 def _loaded_state(model, prompt, **settings):
     settings = model._generation_settings(None, {"max_new_tokens": 8, **settings})
     loop = _FrameLoop(model, settings, prompt, torch.ones(prompt.shape[:2], dtype=torch.long), None, None)
-    state = fast_decoder(model).state(1, capacity_for(prompt.shape[1] + 8), settings.ras_window, loop.cache)
+    state = FastFrameDecoder(model).state(1, capacity_for(prompt.shape[1] + 8), settings.ras_window, loop.cache)
     state.load_prefill(loop)
     return state, loop.sampler, visible_rows(prompt.shape[1] + 1, state.capacity)
 

@@ -18,7 +18,9 @@ States and graphs stay on the model (`FastFrameDecoder`) for later calls; `model
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 
 import torch
 from torch import nn
@@ -256,6 +258,24 @@ class FastFrameDecoder:
         self.fingerprint = self.model_fingerprint(model)
         self.states: dict[tuple[int, int], StaticFrameState] = {}
         self.pool = None  # CUDA graph memory pool shared by every capture
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread running a request
+
+    @contextlib.contextmanager
+    def in_use(self):
+        """One request at a time owns the states: calls from other threads wait their turn; a call from inside a
+        running request (a streamer calling `generate`) is an error, as it would overwrite the running state."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "generate(fast_decode=True) was called from inside a running fast-path generate (e.g. from a "
+                "streamer): the fast path holds one request per model at a time; use fast_decode=False there"
+            )
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
 
     @staticmethod
     def model_fingerprint(model) -> tuple:
@@ -338,44 +358,49 @@ def check_fast_decode(model, device: torch.device) -> None:
 
 def run_fast(loop, on_step) -> None:
     """Run the frames of a prefilled `_FrameLoop` on the fast path; fills `loop.frames`, `lengths`, `finish_reason`."""
-    model, settings = loop.model, loop.settings
-    batch = loop.hidden.shape[0]
-    device = loop.hidden.device
+    settings = loop.settings
     frames = min(settings.max_new_tokens, loop.limit - loop.slots + 1)  # the regular path's length/context stop
-    decoder = fast_decoder(model)
-    capacity = capacity_for(loop.slots + frames)
+    decoder = fast_decoder(loop.model)
+    with decoder.in_use():
+        recorded = _run_frames(decoder, loop, frames, on_step)
+    loop.end_at_first_eos(recorded, length_limited=frames == settings.max_new_tokens)
 
+
+def _run_frames(decoder: FastFrameDecoder, loop, frames: int, on_step) -> list[int]:
+    """Up to `frames` steps, recorded into `loop.frames`; returns the frames recorded per sequence. Sequences stay
+    in their state after an EOS until a stop check finds that the running ones fit a smaller bucket."""
+    settings, sampler = loop.settings, loop.sampler
+    batch, device = loop.hidden.shape[0], loop.hidden.device
+    capacity = capacity_for(loop.slots + frames)
     visible = visible_rows(loop.slots + 1, capacity)  # rows in use after the first step
     state = decoder.state(bucket_size(batch), capacity, settings.ras_window, loop.cache)
-    run = decoder.runner(state, loop.sampler, visible)  # before loading: see runner()
+    run = decoder.runner(state, sampler, visible)  # before loading: see runner()
     state.load_prefill(loop)
     members = list(range(batch))  # original index of state row i, for the first len(members) rows
     member_index = torch.arange(batch, device=device)
-    steps = [0] * batch  # frames recorded per sequence
+    recorded = [0] * batch
     for step in range(frames):
         if visible_rows(loop.slots + step + 1, capacity) != visible:  # this step's new row is row slots + step
             visible = visible_rows(loop.slots + step + 1, capacity)
-            run = decoder.runner(state, loop.sampler, visible)
+            run = decoder.runner(state, sampler, visible)
         if settings.do_sample:
             state.noise.uniform_(generator=loop.generator)
         run()
         loop.frames[member_index, step] = state.new_rows[: len(members)]
         for original in members:
-            steps[original] = step + 1
+            recorded[original] = step + 1
         if loop.streamer is not None and not bool(state.ended[0]):
             loop.streamer.put(state.new_rows[:1, 1:].clone())
         on_step(1)
-        if step + 1 == frames:
+        if step + 1 == frames or (step + 1) % settings.stop_check_interval:
+            continue
+        running = (~state.ended[: len(members)]).nonzero()[:, 0]  # the one host sync of the interval
+        if running.numel() == 0:
             break
-        if (step + 1) % settings.stop_check_interval == 0:
-            running = (~state.ended[: len(members)]).nonzero()[:, 0]  # the one host sync of the interval
-            if running.numel() == 0:
-                break
-            if bucket_size(running.numel()) < state.batch:
-                smaller = decoder.state(bucket_size(running.numel()), capacity, settings.ras_window, state.cache)
-                run = decoder.runner(smaller, loop.sampler, visible)
-                smaller.load_from(state, running)
-                state, members = smaller, [members[i] for i in running.tolist()]
-                member_index = torch.tensor(members, device=device)
-
-    loop.end_at_first_eos(steps, length_limited=frames == settings.max_new_tokens)
+        if bucket_size(running.numel()) < state.batch:
+            smaller = decoder.state(bucket_size(running.numel()), capacity, settings.ras_window, state.cache)
+            run = decoder.runner(smaller, sampler, visible)
+            smaller.load_from(state, running)
+            state, members = smaller, [members[i] for i in running.tolist()]
+            member_index = torch.tensor(members, device=device)
+    return recorded

@@ -11,6 +11,15 @@ FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_TINY = FIXTURES / "tiny"
 
 
+def golden_generation_model():
+    """The golden tiny checkpoint in float32 with the eager per-expert loop its golden values were computed with."""
+    from transformers_drama3 import FishOmniForSpeech
+
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    model.set_experts_implementation("eager")
+    return model
+
+
 def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts `[T_i, 11]` as one left-padded batch `[B, max T_i, 11]` and its attention mask `[B, max T_i]`."""
     rows = max(p.shape[0] for p in prompts)

@@ -16,14 +16,14 @@ from transformers_drama3.fast_decode import (
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import GOLDEN_TINY, left_padded
+from .conftest import GOLDEN_TINY, golden_generation_model, left_padded
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
-    model.set_experts_implementation("eager")  # the golden values used the eager per-expert loop
-    return model
+    model = golden_generation_model()
+    yield model
+    model.reset_fast_decode()  # free the states (and graphs) this module built
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,12 @@ from transformers_drama3.generation_drama3 import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import GOLDEN_TINY, left_padded
+from .conftest import golden_generation_model, left_padded
 
 
 @pytest.fixture(scope="module")
 def model():
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
-    model.set_experts_implementation("eager")  # the golden values used the eager per-expert loop
-    return model
+    return golden_generation_model()
 
 
 @pytest.fixture(scope="module")

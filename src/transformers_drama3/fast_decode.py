@@ -140,7 +140,8 @@ class StaticFrameState:
         allocate_like(self.cache, backbone_template, batch)
         self.tower_cache = Cache(layers=[WindowedStaticLayer(capacity) for _ in range(model.tower.num_layers)])
         tower = model.tower.config
-        like = torch.empty(batch, tower.n_local_heads, 1, tower.head_dim, dtype=model.tower.heads[0].weight.dtype, device=device)
+        tower_dtype = model.tower.heads[0].weight.dtype
+        like = torch.empty(batch, tower.n_local_heads, 1, tower.head_dim, dtype=tower_dtype, device=device)
         for layer in self.tower_cache.layers:
             layer.lazy_initialization(like, like)
 

@@ -92,8 +92,7 @@ class Drama3AudioStreamer(BaseStreamer):
         self._queue: queue.Queue = queue.Queue()
         self._jobs: queue.Queue | None = queue.Queue() if overlap else None  # (codes, CUDA event or None), None = stop
         self._worker = threading.Thread(target=self._decode_jobs, daemon=True) if overlap else None
-        self._error: BaseException | None = None
-        self._failed = False  # the worker met an error: later chunks are dropped
+        self._error: BaseException | None = None  # the worker's first error: later chunks are dropped
         if self._worker is not None:
             self._worker.start()
 
@@ -142,7 +141,7 @@ class Drama3AudioStreamer(BaseStreamer):
         """The worker of `overlap=True`: decode chunks in order until told to stop; keep the first error."""
         stream = None
         while (job := self._jobs.get()) is not None:
-            if self._failed:
+            if self._error is not None:
                 continue
             codes, event = job
             try:
@@ -155,7 +154,7 @@ class Drama3AudioStreamer(BaseStreamer):
                     codes.record_stream(stream)
                     self._emit(self._decode(codes))
             except Exception as error:  # noqa: BLE001  (re-raised by end(), in the generating thread)
-                self._error, self._failed = error, True
+                self._error = error
 
     def __iter__(self):
         return self

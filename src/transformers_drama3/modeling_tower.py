@@ -264,7 +264,8 @@ class Drama3TowerAttention(nn.Module):
         q = q.reshape(batch, self.n_kv, groups * rows, self.head_dim)  # [B, KV, groups * T, hd]
         mask = mask.repeat(1, 1, groups, 1) if mask.shape[2] > 1 else mask  # row g * T + t is row t's
         attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        attn = attn.reshape(batch, self.n_head, rows, self.head_dim).transpose(1, 2).reshape(batch, rows, -1)  # [B, T, H * hd]
+        attn = attn.reshape(batch, self.n_head, rows, self.head_dim).transpose(1, 2)  # [B, T, H, hd]
+        attn = attn.reshape(batch, rows, -1)  # [B, T, H * hd]
         return self.wo(attn * torch.sigmoid(gate))
 
 

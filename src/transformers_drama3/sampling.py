@@ -9,6 +9,9 @@ Repetition-aware sampling (RAS) redraws the main token with other settings when 
 among the last `window` main ids. `RepetitionAwareLogitsProcessor` returns the log-probabilities of that two-draw
 procedure as a single distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q` has exactly
 the law of "draw from p1; if repeated, draw again from p2", on the device and without a host round trip.
+
+`draw` takes its randomness as uniform noise (an exponential race, exact), and `FrameSampler` makes all the draws
+of one frame from a single noise tensor: the regular and the fast decode path share it, so seeded runs match.
 """
 
 from __future__ import annotations
@@ -91,7 +94,9 @@ class RepetitionAwareLogitsProcessor(LogitsProcessor):
         return (first * ~repeated + redraw_mass * second).log()
 
 
-def draw(log_probs: torch.Tensor, generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
+def draw(
+    log_probs: torch.Tensor, generator: torch.Generator | None = None, noise: torch.Tensor | None = None
+) -> torch.Tensor:
     """One draw per row from `softmax(log_probs)` `[B, C]` -> `[B]` (-inf entries are never drawn).
 
     Exponential race (the Gumbel-max trick): with `E_i = -log(u_i)` for uniform `u` `[B, C]` in [0, 1), the index of

@@ -56,7 +56,7 @@ import transformers
 
 from transformers_drama3 import FishOmniConfig, FishOmniForSpeech
 from transformers_drama3.fast_decode import (
-    GRAPH_SAFE_EXPERTS, FastFrameDecoder, bucket_size, capacity_for, check_fast_decode, visible_rows,
+    FastFrameDecoder, bucket_size, capacity_for, check_fast_decode, visible_rows,
 )
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.modeling_codec import random_original_codec_state_dict
@@ -264,8 +264,6 @@ def fast_experts(model: FishOmniForSpeech, device: torch.device):
     """Run with the experts implementation `generate(fast_decode=True)` picks (`check_fast_decode`: `batched_mm` on
     CUDA unless the default is graph-safe); the model's own is restored afterwards. Yields its name."""
     default = experts_implementation(model)
-    if device.type == "cuda" and default not in GRAPH_SAFE_EXPERTS:
-        model.set_experts_implementation("batched_mm")  # what check_fast_decode would do, without its warning
     check_fast_decode(model, device)
     try:
         yield experts_implementation(model)

@@ -19,14 +19,14 @@ backbone step (`run_backbone` of the new row), each timed alone; above batch 1 t
 
 Also: the codec (a streaming decoder fed `--chunk-frames`-frame chunks, per frame) as a share of the eager and the
 fast frame step; streamed `generate` calls of `--stream-frames` greedy frames (EOS suppressed) with the codec
-decoding in line and in `Drama3AudioStreamer(overlap=True)`'s worker thread, wall time per frame on each path; time to first audio when streaming (a `Drama3AudioStreamer` with `first_chunk_frames=1`, from the
-`generate` call to the first chunk) on both paths, the fast path's first (cold) call, which builds its state and
-captures its graph, apart; a correctness check, the first `--check-frames` frames of `generate` on both paths, greedy
-and seeded sampling (leading identical frames); peak memory; and the backbone step with each experts
-implementation as a speed-up over `eager` experts. The fast path runs with the experts implementation that
-`generate(fast_decode=True)` picks (`check_fast_decode`: `batched_mm` on CUDA unless already graph-safe); the
-eager path with the model's default. CUDA is synchronised around every timed region; CPU runs use one thread
-unless `--threads` says otherwise.
+decoding in line and in `Drama3AudioStreamer(overlap=True)`'s worker thread, wall time per frame on each path;
+time to first audio when streaming (a `Drama3AudioStreamer` with `first_chunk_frames=1`, from the `generate` call
+to the first chunk) on both paths, the fast path's first (cold) call, which builds its state and captures its
+graph, apart; a correctness check, the first `--check-frames` frames of `generate` on both paths, greedy and seeded
+sampling (leading identical frames; on CUDA both paths run `batched_mm` experts there, as a captured step does);
+peak memory; and the backbone step with each experts implementation as a speed-up over `eager` experts. A
+captured step runs `batched_mm` experts (`captured_experts`); everything else runs the model's default. CUDA is
+synchronised around every timed region; CPU runs use one thread unless `--threads` says otherwise.
 
 Configurations: `tiny` (the golden tiny geometry), `small` (CPU-sized: hidden 512, 8 layers, 16 experts, the real
 codec), `real` (the real-size architecture, `FishOmniConfig()` defaults, built on the device in bfloat16 with random
@@ -56,7 +56,7 @@ import transformers
 
 from transformers_drama3 import FishOmniConfig, FishOmniForSpeech
 from transformers_drama3.fast_decode import (
-    FastFrameDecoder, bucket_size, capacity_for, check_fast_decode, visible_rows,
+    CAPTURED_EXPERTS, FastFrameDecoder, bucket_size, capacity_for, captured_experts, visible_rows,
 )
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.modeling_codec import random_original_codec_state_dict
@@ -259,19 +259,6 @@ def experts_implementation(model: FishOmniForSpeech) -> str | None:
     return model.backbone.config._experts_implementation
 
 
-@contextlib.contextmanager
-def fast_experts(model: FishOmniForSpeech, device: torch.device):
-    """Run with the experts implementation `generate(fast_decode=True)` picks (`check_fast_decode`: `batched_mm` on
-    CUDA unless the default is graph-safe); the model's own is restored afterwards. Yields its name."""
-    default = experts_implementation(model)
-    check_fast_decode(model, device)
-    try:
-        yield experts_implementation(model)
-    finally:
-        if experts_implementation(model) != default:
-            model.set_experts_implementation(default)
-
-
 # Eager path ----------------------------------------------------------------------------------------------------
 
 
@@ -323,13 +310,14 @@ def measure_fast(model: FishOmniForSpeech, prompt: torch.Tensor, capacity: int, 
                  args: argparse.Namespace, device: torch.device) -> dict:
     """The fast path's frame (noise fill, then `state.step` or its CUDA graph replay) on a fresh state loaded from
     a prefill of `prompt` `[b, T, 1 + NCB]`. A private `FastFrameDecoder`: the model's own stays cold for `generate`."""
-    with fast_experts(model, device) as experts:
-        return fast_frames(model, prompt, capacity, cuda_graphs, args, device) | {"experts": experts}
+    captured = cuda_graphs and device.type == "cuda"
+    experts = CAPTURED_EXPERTS if captured else experts_implementation(model)  # a capture runs `CAPTURED_EXPERTS`
+    return fast_frames(model, prompt, capacity, cuda_graphs, args, device) | {"experts": experts}
 
 
 def fast_frames(model: FishOmniForSpeech, prompt: torch.Tensor, capacity: int, cuda_graphs: bool,
                 args: argparse.Namespace, device: torch.device) -> dict:
-    """`measure_fast` with the experts set: build the state, get its runner (a capture, with `cuda_graphs` on
+    """`measure_fast`'s work: build the state, get its runner (a capture, with `cuda_graphs` on
     CUDA), load the prefill, then `--warmup` untimed and `--frames` timed frames."""
     loop = start_loop(model, prompt, 1, args.seed)
     decoder = FastFrameDecoder(model, cuda_graphs=cuda_graphs)
@@ -459,8 +447,7 @@ def measure_first_audio(model: FishOmniForSpeech, prompt: torch.Tensor, fast: bo
     """
     if fast:
         model.reset_fast_decode()
-    with fast_experts(model, device) if fast else contextlib.nullcontext():
-        return first_audio_runs(model, prompt, fast, args, device)
+    return first_audio_runs(model, prompt, fast, args, device)
 
 
 def first_audio_runs(model: FishOmniForSpeech, prompt: torch.Tensor, fast: bool, args: argparse.Namespace,
@@ -499,15 +486,14 @@ def measure_streaming(model: FishOmniForSpeech, prompt: torch.Tensor, args: argp
     results = {}
     with eos_suppressed(model):
         for fast in (False, True):
-            with fast_experts(model, device) if fast else contextlib.nullcontext():
-                for overlap in (None, False, True):  # None: the untimed warm-up
-                    streamer = Drama3AudioStreamer(model.codec, chunk_frames=args.chunk_frames, overlap=bool(overlap))
-                    _, seconds = timed(lambda: model.generate(
-                        prompt, streamer=streamer, do_sample=False, max_new_tokens=args.stream_frames,
-                        output_audio=False, fast_decode=fast), device)
-                    if overlap is not None:
-                        results[f"{'fast' if fast else 'eager'}_{'overlap' if overlap else 'inline'}_ms_per_frame"] = (
-                            1e3 * seconds / args.stream_frames)
+            for overlap in (None, False, True):  # None: the untimed warm-up
+                streamer = Drama3AudioStreamer(model.codec, chunk_frames=args.chunk_frames, overlap=bool(overlap))
+                _, seconds = timed(lambda: model.generate(
+                    prompt, streamer=streamer, do_sample=False, max_new_tokens=args.stream_frames,
+                    output_audio=False, fast_decode=fast), device)
+                if overlap is not None:
+                    results[f"{'fast' if fast else 'eager'}_{'overlap' if overlap else 'inline'}_ms_per_frame"] = (
+                        1e3 * seconds / args.stream_frames)
     for name in ("eager", "fast"):
         results[f"{name}_overlap_speedup"] = results[f"{name}_inline_ms_per_frame"] / results[f"{name}_overlap_ms_per_frame"]
     return results
@@ -515,10 +501,12 @@ def measure_streaming(model: FishOmniForSpeech, prompt: torch.Tensor, args: argp
 
 def compare_paths(model: FishOmniForSpeech, prompt: torch.Tensor, frames: int, device: torch.device,
                   **settings) -> dict:
-    """The first `frames` frames of `generate` on the eager and the fast path (same settings and experts): lengths,
-    finish reasons and leading identical frames (whole rows: main id and every code)."""
+    """The first `frames` frames of `generate` on the eager and the fast path (same settings; on CUDA both with the
+    experts a captured step runs, so that only the paths differ): lengths, finish reasons and leading identical
+    frames (whole rows: main id and every code)."""
     kwargs = {"max_new_tokens": frames, "output_audio": False, **settings}
-    with fast_experts(model, device) as experts:
+    with captured_experts(model) if device.type == "cuda" else contextlib.nullcontext():
+        experts = experts_implementation(model)
         eager = model.generate(prompt, **kwargs)
         fast = model.generate(prompt, fast_decode=True, **kwargs)
     rows = prompt.shape[1]

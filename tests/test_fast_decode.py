@@ -3,7 +3,6 @@ sampling, padded batches that shrink bucket by bucket, streaming, the context li
 a CUDA graph capture relies on (one traced graph, every buffer updated in place). CPU only: the graph capture itself
 runs on CUDA devices (docs/performance.md has the GPU check)."""
 
-import logging
 import threading
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.fast_decode import (
-    FastFrameDecoder, StaticFrameState, bucket_size, capacity_for, check_fast_decode, fast_decoder, visible_rows,
+    FastFrameDecoder, StaticFrameState, bucket_size, capacity_for, captured_experts, fast_decoder, visible_rows,
 )
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
 from transformers_drama3.testing import write_tiny_checkpoint
@@ -335,16 +334,16 @@ def test_attention_kernel_without_masks_is_refused(model, prompt, monkeypatch):
         model.generate(prompt, fast_decode=True, max_new_tokens=2)
 
 
-def test_cuda_switches_uncapturable_experts(model, caplog):
-    """The eager experts loop reads the routing on the host; on CUDA the fast path switches to batched_mm."""
-    try:
-        with caplog.at_level(logging.WARNING, logger="transformers_drama3.fast_decode"):
-            check_fast_decode(model, torch.device("cuda"))
-        assert model.backbone.config._experts_implementation == "batched_mm"
-        assert "cannot capture" in caplog.text
-        check_fast_decode(model, torch.device("cpu"))  # on the CPU nothing is captured: any implementation runs
-    finally:
-        model.set_experts_implementation("eager")
+def test_graphs_are_captured_with_batched_mm_experts_and_the_choice_is_restored(model):
+    """The eager experts loop reads the routing on the host; a capture runs `batched_mm`, then the user's choice
+    (here the golden `eager`) is back for the prefill and the regular path."""
+    seen = []
+    with captured_experts(model):
+        seen.append(model.backbone.config._experts_implementation)
+    assert seen == ["batched_mm"] and model.backbone.config._experts_implementation == "eager"
+    with pytest.raises(RuntimeError, match="inside"), captured_experts(model):
+        raise RuntimeError("inside")
+    assert model.backbone.config._experts_implementation == "eager"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -357,7 +356,7 @@ def test_cuda_graph_replays_give_the_regular_frames(expected):
     """On CUDA the fast path replays captured graphs: greedy and seeded runs, and a padded batch that shrinks
     bucket by bucket (a capture per bucket, one mid-request), give the regular path's frames."""
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, device_map="cuda")
-    model.set_experts_implementation("batched_mm")  # what the fast path uses on CUDA, on both paths here
+    model.set_experts_implementation("batched_mm")  # what a captured step runs: the same numbers on both paths
     a = expected["prompt_a_rows"]
     prompt = a[None].cuda()
     assert_same_generation(*both_paths(model, prompt, do_sample=False, max_new_tokens=16))

@@ -19,7 +19,6 @@ States and graphs stay on the model (`FastFrameDecoder`) for later calls; `model
 from __future__ import annotations
 
 import contextlib
-import logging
 import threading
 
 import torch
@@ -30,11 +29,11 @@ from transformers.cache_utils import Cache, StaticLayer
 from .sampling import FrameSampler
 from .modeling_tower import rotary_angles
 
-logger = logging.getLogger(__name__)
-
 CAPACITY_CHUNK = 256  # cache rows are allocated in multiples of this
 CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before a capture (lazy inits, library workspaces)
-GRAPH_SAFE_EXPERTS = ("batched_mm", "grouped_mm")
+# The routed experts inside a captured step: static shapes and no host reads (the eager loop reads the routing on
+# the host, and grouped_mm's fallback, used where torch's grouped GEMM is not, reads its offsets there).
+CAPTURED_EXPERTS = "batched_mm"
 
 
 def bucket_size(batch: int) -> int:
@@ -310,6 +309,10 @@ class FastFrameDecoder:
     def _capture(self, step, device: torch.device, warm_up: bool) -> torch.cuda.CUDAGraph:
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
+        with captured_experts(self.model):
+            return self._warm_up_and_capture(step, device, warm_up)
+
+    def _warm_up_and_capture(self, step, device: torch.device, warm_up: bool) -> torch.cuda.CUDAGraph:
         if warm_up:
             side = torch.cuda.Stream(device=device)
             side.wait_stream(torch.cuda.current_stream(device))
@@ -333,9 +336,23 @@ def fast_decoder(model) -> FastFrameDecoder:
     return decoder
 
 
-def check_fast_decode(model, device: torch.device) -> None:
+@contextlib.contextmanager
+def captured_experts(model):
+    """The backbone's experts run as `CAPTURED_EXPERTS` inside, as the model's own setting after: graphs are captured
+    with it, while the prefill and the regular path keep the implementation the user chose."""
+    chosen = model.backbone.config._experts_implementation
+    if chosen != CAPTURED_EXPERTS:
+        model.set_experts_implementation(CAPTURED_EXPERTS)
+    try:
+        yield
+    finally:
+        if chosen != CAPTURED_EXPERTS:
+            model.set_experts_implementation(chosen)
+
+
+def check_fast_decode(model) -> None:
     """Refuse what the fast path cannot run, before any work: offloaded or split models, attention kernels that
-    ignore a 4-D mask. On CUDA, switch experts that read routing back to the host to `batched_mm`."""
+    ignore a 4-D mask."""
     device_map = getattr(model, "hf_device_map", None)
     if device_map and len({str(v) for v in device_map.values()}) > 1:
         raise ValueError(
@@ -348,13 +365,6 @@ def check_fast_decode(model, device: torch.device) -> None:
             f"fast_decode=True runs the backbone with 'sdpa' or 'eager' attention (it passes a 4-D slot mask), got "
             f"{attention!r}; load with attn_implementation='sdpa'"
         )
-    experts = getattr(model.backbone.config, "_experts_implementation", None)
-    if device.type == "cuda" and experts not in GRAPH_SAFE_EXPERTS:
-        logger.warning(
-            "fast_decode: the %r experts implementation reads the routing back to the host, which a CUDA graph "
-            "cannot capture; switching the backbone to 'batched_mm'", experts,
-        )
-        model.set_experts_implementation("batched_mm")
 
 
 def run_fast(loop, on_step) -> None:

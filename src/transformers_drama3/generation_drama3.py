@@ -254,7 +254,7 @@ class Drama3GenerationMixin:
             raise ValueError(f"the prompt has {rows} rows but the backbone's context is {limit} rows")
 
         if settings.fast_decode:
-            check_fast_decode(self, device)
+            check_fast_decode(self)
 
         loop = _FrameLoop(self, settings, input_ids, attention_mask, generator, streamer)
         with tqdm(total=settings.max_new_tokens, unit="frame", disable=not show_progress, leave=False) as bar:

@@ -118,7 +118,6 @@ class FrameSampler:
 
     def __init__(self, settings):
         self.do_sample = settings.do_sample
-        self.window = settings.ras_window
         self.main_processor = RepetitionAwareLogitsProcessor(
             TopKTopPWarper(settings.temperature, settings.top_k, settings.top_p, keep_crossing=True),
             TopKTopPWarper(settings.ras_temperature, settings.ras_top_k, settings.ras_top_p, keep_crossing=True),
@@ -128,10 +127,9 @@ class FrameSampler:
         self.codebook_warper = TopKTopPWarper(
             settings.codebook_temperature, codebook_top_k, settings.codebook_top_p, keep_crossing=False
         )
-        # What a captured frame step bakes in: one CUDA graph per distinct key.
-        self.key = (self.do_sample,) + (
-            tuple(getattr(settings, name) for name in SAMPLING_SETTINGS) if self.do_sample else (self.window,)
-        )
+        # What a captured frame step bakes in: one CUDA graph per distinct key (a state has one RAS window already).
+        settings_key = tuple(getattr(settings, name) for name in SAMPLING_SETTINGS) if self.do_sample else ()
+        self.key = (self.do_sample, *settings_key)
 
     def frame_noise(self, batch: int, num_codebooks: int, num_candidates: int, generator, device) -> torch.Tensor | None:
         """Uniform noise `[batch, NCB, V + 1]` for one frame (None when greedy)."""

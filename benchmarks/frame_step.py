@@ -265,7 +265,7 @@ def experts_implementation(model: FishOmniForSpeech) -> str | None:
 def sample_main(loop: _FrameLoop) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The main token `[b]` and the frame's noise `[b, NCB, V + 1]` as `_FrameLoop._step` draws them (the RAS window
     is not advanced: same cost)."""
-    logits = loop.model.lm_head(loop.hidden).index_select(-1, loop.candidates).float()  # [b, V + 1]
+    logits = loop.model.main_logits(loop.hidden, loop.candidates).float()  # [b, V + 1]
     noise = loop.sampler.frame_noise(
         logits.shape[0], loop.model.config.num_codebooks, logits.shape[1], loop.generator, logits.device
     )

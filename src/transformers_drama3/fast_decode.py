@@ -218,7 +218,7 @@ class StaticFrameState:
         if self.head_weight is not None:
             logits = nn.functional.linear(self.hidden, self.head_weight).float()  # [b, V + 1]
         else:
-            logits = model.lm_head(self.hidden).index_select(-1, self.candidates).float()
+            logits = model.main_logits(self.hidden, self.candidates).float()
         noise = self.noise if sampler.do_sample else None
         column = sampler.main(logits, self.history, noise)  # [b]
         main = self.candidates[column]

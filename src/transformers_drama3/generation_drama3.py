@@ -315,7 +315,7 @@ class _FrameLoop:
     def _step(self) -> torch.Tensor:
         """One frame for every running sequence; returns the new rows `[b, 1 + NCB]`."""
         model = self.model
-        logits = model.lm_head(self.hidden).index_select(-1, self.candidates).float()  # [b, V + 1]
+        logits = model.main_logits(self.hidden, self.candidates).float()  # [b, V + 1]
         noise = self.sampler.frame_noise(
             logits.shape[0], model.config.num_codebooks, logits.shape[1], self.generator, logits.device
         )  # [b, NCB, V + 1] or None

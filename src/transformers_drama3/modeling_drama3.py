@@ -111,6 +111,12 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         band = torch.arange(self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device)
         return torch.cat((torch.tensor([self.config.eos_token_id], device=device), band))
 
+    def main_logits(self, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+        """Main-token logits `[..., V + 1]` (column 0 EOS, then the semantic band) of final-norm hidden states
+        `[..., D]`; `candidates` are `main_candidate_ids` when already at hand."""
+        candidates = self.main_candidate_ids(hidden.device) if candidates is None else candidates
+        return self.lm_head(hidden).index_select(-1, candidates)
+
     @property
     def input_device(self) -> torch.device:
         """Where frame rows must be: the input embedding's execution device (its accelerate hook's device when the
@@ -225,7 +231,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         position_ids = self.row_positions(attention_mask)[:, past:]  # [B, T]
 
         hidden = self.run_backbone(input_ids, position_ids, attention_mask, cache if use_cache else None)  # [B, T, D]
-        main_logits = self.lm_head(hidden).index_select(-1, self.main_candidate_ids(hidden.device))  # [B, T, V + 1]
+        main_logits = self.main_logits(hidden)  # [B, T, V + 1]
         codebook_logits, predicted_rows = self._tower_teacher_forcing(
             hidden, input_ids, position_ids, attention_mask, tower_cache
         )

@@ -21,7 +21,8 @@ from datetime import datetime, timezone
 import torch
 
 from transformers_drama3.configuration_drama3 import FishDACConfig
-from transformers_drama3.modeling_codec import FishDACCodec, random_original_codec_state_dict
+from transformers_drama3.modeling_codec import FishDACCodec
+from transformers_drama3.testing import random_original_codec_state_dict
 
 
 def parse_args() -> argparse.Namespace:

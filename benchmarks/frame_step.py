@@ -58,8 +58,9 @@ from transformers_drama3 import FishOmniConfig, FishOmniForSpeech
 from transformers_drama3.fast_decode import (
     CAPTURED_EXPERTS, FastFrameDecoder, bucket_size, capacity_for, captured_experts, visible_rows,
 )
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3AudioStreamer, _FrameLoop
-from transformers_drama3.modeling_codec import random_original_codec_state_dict
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, _FrameLoop
+from transformers_drama3.streaming import Drama3AudioStreamer
+from transformers_drama3.testing import random_original_codec_state_dict
 from transformers_drama3.testing import tiny_config_dict
 
 EXPERTS_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")

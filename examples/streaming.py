@@ -12,7 +12,7 @@ import time
 
 import soundfile
 
-from transformers_drama3.generation_drama3 import Drama3AudioStreamer
+from transformers_drama3 import Drama3AudioStreamer
 from example_setup import example_parser, load_model_and_processor
 
 

@@ -59,7 +59,7 @@ def main() -> None:
 
     # 3. Listen to what the codes hold: decode them and write a WAV file.
     frames = processor.build_prompt_rows("x", references=[voice])  # the reference's audio rows are in here
-    wav = processor.save_audio(processor.decode(frames, codec=codec), args.out / "voice-decoded.wav")
+    wav = processor.save_audio(processor.frames_to_audio(frames, codec=codec), args.out / "voice-decoded.wav")
     print(f"decoded reference: {wav}")
 
 

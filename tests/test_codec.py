@@ -22,10 +22,10 @@ from transformers_drama3.modeling_codec import (
     apply_rope,
     load_codec_state_dict,
     original_codec_key_shapes,
-    random_original_codec_state_dict,
-    resample_audio,
     rope_table,
 )
+from transformers_drama3.audio_io import resample_audio
+from transformers_drama3.testing import random_original_codec_state_dict
 
 from .conftest import GOLDEN_TINY
 

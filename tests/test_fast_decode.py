@@ -12,7 +12,8 @@ from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.fast_decode import (
     FastFrameDecoder, StaticFrameState, bucket_size, capacity_for, captured_experts, fast_decoder, visible_rows,
 )
-from transformers_drama3.generation_drama3 import Drama3AudioStreamer, _FrameLoop
+from transformers_drama3.generation_drama3 import _FrameLoop
+from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY, golden_generation_model, left_padded

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.generation_drama3 import Drama3AudioStreamer
+from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
 

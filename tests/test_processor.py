@@ -12,14 +12,9 @@ from hypothesis import strategies as st
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer
 
 from transformers_drama3 import FishOmniConfig
-from transformers_drama3.processing_drama3 import (
-    SPEAKER_TAG,
-    WHITE_SPACE,
-    Drama3Processor,
-    split_text,
-    tag_text,
-    tag_transcript,
-)
+from transformers_drama3.chunking import split_text
+from transformers_drama3.processing_drama3 import Drama3Processor
+from transformers_drama3.speaker_tags import SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
@@ -580,19 +575,19 @@ def test_decode_uses_audio_rows_only(processor):
     text_row[0, 0] = 300
     frames = torch.cat([torch.zeros(2, WIDTH, dtype=torch.long), text_row, audio_rows])
     codec = StandInCodec()
-    audio = processor.decode(frames, codec=codec)
+    audio = processor.frames_to_audio(frames, codec=codec)
     assert audio.shape == (4 * 2048,) and audio.dtype == torch.float32
     assert torch.equal(codec.decode_calls[0], codes[None])
-    batch = processor.batch_decode(torch.stack([frames, torch.cat([audio_rows, audio_rows[:3]])]), codec=codec)
+    batch = processor.batch_frames_to_audio(torch.stack([frames, torch.cat([audio_rows, audio_rows[:3]])]), codec=codec)
     assert [a.shape[0] for a in batch] == [4 * 2048, 7 * 2048]
-    assert processor.decode(frames[:3], codec=codec).shape == (0,)
+    assert processor.frames_to_audio(frames[:3], codec=codec).shape == (0,)
 
 
 def test_decode_without_codec(processor):
     with pytest.raises(ValueError, match="codec=model.codec"):
-        processor.decode(torch.zeros(3, WIDTH, dtype=torch.long))
+        processor.frames_to_audio(torch.zeros(3, WIDTH, dtype=torch.long))
     with pytest.raises(ValueError, match="frames must have shape"):
-        processor.decode(torch.zeros(3, 10, dtype=torch.long), codec=StandInCodec())
+        processor.frames_to_audio(torch.zeros(3, 10, dtype=torch.long), codec=StandInCodec())
 
 
 @pytest.mark.parametrize("suffix, file_format, subtype", [(".wav", "WAV", "PCM_16"), (".flac", "FLAC", "PCM_16"),
@@ -663,5 +658,5 @@ def test_with_fish_dac_codec(processor, expected, tmp_path):
     assert torch.equal(voice.codes, expected["codec_encoded"])
     codes = expected["codec_codes"]
     frames = torch.cat([codes[:1] + processor.semantic_start_id, codes]).T
-    audio = processor.decode(frames, codec=codec)
+    audio = processor.frames_to_audio(frames, codec=codec)
     torch.testing.assert_close(audio, expected["codec_audio"], atol=1e-4, rtol=0)

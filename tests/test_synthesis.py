@@ -7,7 +7,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
-from transformers_drama3.generation_drama3 import Drama3AudioStreamer
+from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.synthesis import history_turns, synthesize
 from transformers_drama3.voice import Drama3Voice
 

@@ -10,11 +10,13 @@ from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform, Auto
 from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
 from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
 from .device_placement import execution_device
-from .generation_drama3 import Drama3AudioStreamer, Drama3GenerateOutput
+from .chunking import split_text
+from .generation_drama3 import Drama3GenerateOutput
 from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
 from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
-from .processing_drama3 import Drama3Processor, split_text
+from .processing_drama3 import Drama3Processor
+from .streaming import Drama3AudioStreamer
 from .quantization_bsgemm import BsgemmMoeConfig, register_bsgemm_moe
 from .synthesis import Drama3Speech, synthesize
 from .voice import Drama3Voice

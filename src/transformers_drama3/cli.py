@@ -22,13 +22,14 @@ import numpy as np
 import torch
 from transformers.utils import logging as transformers_logging
 
+from .audio_io import audio_file_format, write_atomically
 from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS as DEFAULTS
-from .generation_drama3 import Drama3AudioStreamer
 from .modeling_drama3 import FishOmniForSpeech
-from .processing_drama3 import Drama3Processor, _audio_file_format
+from .processing_drama3 import Drama3Processor
+from .streaming import Drama3AudioStreamer
 from .synthesis import synthesize
 from .testing import default_tiny_checkpoint
-from .voice import Drama3Voice, write_atomically
+from .voice import Drama3Voice
 
 FAILURE, INTERRUPTED = 1, 130
 MIN_CHUNK_BYTES = 32
@@ -212,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
         if output is not None:
             check_writable(output)
     if args.output is not None:
-        _audio_file_format(args.output)
+        audio_file_format(args.output)
     voices = [Drama3Voice.load(file) for file in args.voice]
     processor = _loaded(Drama3Processor.from_pretrained, path)
     if text is not None:
@@ -280,7 +281,7 @@ def stream_to_file(path: Path, model, run):
     """
     import soundfile  # imported on first use, as the processor does
 
-    file_format, subtype = _audio_file_format(path)
+    file_format, subtype = audio_file_format(path)
     streamer = Drama3AudioStreamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
     result, failures = [], []
 

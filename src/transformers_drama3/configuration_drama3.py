@@ -64,12 +64,12 @@ _DEFAULT_QUANTIZER = {
 }
 
 
-def _merge(defaults: dict, overrides: dict | None) -> dict:
+def merge_settings(defaults: dict, overrides: dict | None) -> dict:
     """Deep-merge `overrides` into a copy of `defaults` (nested dicts merge key by key)."""
     merged = copy.deepcopy(defaults)
     for key, value in (overrides or {}).items():
         if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
+            merged[key] = merge_settings(merged[key], value)
         else:
             merged[key] = copy.deepcopy(value)
     return merged
@@ -104,8 +104,8 @@ class FishDACConfig(PreTrainedConfig):
         encoder_transformer = dict(self.encoder_transformer or {})
         for key in ("n_head_rule", "intermediate_size_rule", "blocks"):
             encoder_transformer.pop(key, None)
-        self.encoder_transformer = _merge(_DEFAULT_ENCODER_TRANSFORMER, encoder_transformer)
-        self.quantizer = _merge(_DEFAULT_QUANTIZER, self.quantizer)
+        self.encoder_transformer = merge_settings(_DEFAULT_ENCODER_TRANSFORMER, encoder_transformer)
+        self.quantizer = merge_settings(_DEFAULT_QUANTIZER, self.quantizer)
         super().__post_init__(**kwargs)
         self.validate_codec()
         for key, value in derived.items():

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .audio_io import resample_audio
 from .configuration_drama3 import FishDACConfig
 
 # A stream state maps each stateful module to what it carries between chunks (tensors or a position).
@@ -459,48 +459,8 @@ class FishDACQuantizer(nn.Module):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Input checks and resampling
+# Input checks
 # --------------------------------------------------------------------------------------------------------------
-
-_RESAMPLE_ZERO_CROSSINGS = 32  # sinc lobes kept on each side of a tap
-_RESAMPLE_ROLLOFF = 0.945  # cutoff as a fraction of the lower Nyquist frequency
-_RESAMPLE_KAISER_BETA = 10.0  # Kaiser window shape (~100 dB stopband)
-
-
-def resample_audio(audio: Tensor, orig_rate: int, target_rate: int) -> Tensor:
-    """Band-limited resampling of `[..., samples]` from `orig_rate` to `target_rate` Hz (our own, no scipy/torchaudio).
-
-    Polyphase windowed-sinc interpolation: the rates are reduced by their gcd to `down -> up`, output sample `n`
-    sits at input time `n * down / up`, and each of the `up` phases has its own Kaiser-windowed sinc kernel
-    (cutoff 0.945 of the lower Nyquist frequency, 32 zero crossings per side, beta 10). Computed in float64;
-    the output has `ceil(samples * target_rate / orig_rate)` samples and the input's dtype.
-    """
-    if orig_rate <= 0 or target_rate <= 0:
-        raise ValueError(f"sample rates must be positive, got {orig_rate} -> {target_rate}")
-    if orig_rate == target_rate:
-        return audio
-    divisor = math.gcd(orig_rate, target_rate)
-    down, up = orig_rate // divisor, target_rate // divisor
-    cutoff = _RESAMPLE_ROLLOFF * min(1.0, up / down)  # in cycles per two input samples (1 = input Nyquist)
-    half_width = _RESAMPLE_ZERO_CROSSINGS / cutoff  # kernel half-length in input samples
-    reach = math.ceil(half_width)
-    taps = torch.arange(-reach, down + reach, dtype=torch.float64)  # input offsets m around j * down
-    phases = torch.arange(up, dtype=torch.float64)[:, None] * down / up  # [up, 1] fractional input positions
-    t = phases - taps  # [up, taps] distance from output time to each tap
-    window = torch.special.i0(_RESAMPLE_KAISER_BETA * torch.sqrt((1 - (t / half_width) ** 2).clamp(min=0)))
-    window = torch.where(t.abs() <= half_width, window / torch.special.i0(torch.tensor(_RESAMPLE_KAISER_BETA)), 0)
-    kernels = (cutoff * torch.sinc(cutoff * t) * window)[:, None, :]  # [up, 1, taps]
-
-    leading, samples = audio.shape[:-1], audio.shape[-1]
-    out_samples = -(-samples * up // down)
-    steps = -(-out_samples // up)
-    x = audio.reshape(-1, 1, samples).to(torch.float64)  # [signals, 1, samples]
-    right = max(0, (steps - 1) * down + kernels.shape[-1] - (samples + reach))
-    x = F.pad(x, (reach, right))
-    y = F.conv1d(x, kernels.to(x.device), stride=down)[..., :steps]  # [signals, up, steps]
-    y = y.transpose(1, 2).reshape(-1, steps * up)[:, :out_samples]
-    return y.reshape(*leading, out_samples).to(audio.dtype)
-
 
 def _as_tensor(value: Any, what: str) -> Tensor:
     if isinstance(value, Tensor):
@@ -866,44 +826,6 @@ def load_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
     return {key.removeprefix("generator."): value for key, value in loaded.items() if not key.endswith("causal_mask")}
 
 
-def random_original_codec_state_dict(config: FishDACConfig, generator: torch.Generator) -> dict[str, Tensor]:
-    """A random float32 `codec.pth` state dict in the original layout, for tiny test checkpoints and benchmarks.
-
-    Snake alphas in [0.5, 1.5], weight-norm gains in [0.5, 1.5] (never exactly 1), layer scales in [0.1, 0.5],
-    norm gains near 1, random codebooks, fan-in scaled weights: `load_original_state_dict` accepts it and it
-    decodes to finite audio that is not saturated.
-    """
-
-    def uniform(shape: tuple[int, ...], low: float, high: float) -> Tensor:
-        return torch.rand(shape, generator=generator) * (high - low) + low
-
-    def normal(shape: tuple[int, ...], std: float) -> Tensor:
-        return torch.randn(shape, generator=generator) * std
-
-    state_dict = {}
-    for key, shape in original_codec_key_shapes(config).items():
-        if key.endswith("alpha"):
-            value = uniform(shape, 0.5, 1.5)
-        elif key.endswith(".block.3.conv.parametrizations.weight.original0"):  # last conv of a residual unit
-            value = uniform(shape, 0.1, 0.3)  # small residual branches keep the stacked units from blowing up
-        elif key.endswith(("original0", "weight_g")):
-            value = uniform(shape, 0.5, 1.5)
-        elif key.endswith(("original1", "weight_v", "codebook.weight")):
-            value = normal(shape, 1.0)
-        elif key.endswith(("layer_scale.gamma", ".1.gamma")):
-            value = uniform(shape, 0.1, 0.5)
-        elif key.endswith(("norm.weight",)):
-            value = uniform(shape, 0.8, 1.2)
-        elif key.endswith("bias"):
-            value = normal(shape, 0.02)
-        elif ".upsample." in key and key.endswith("conv.weight"):  # transposed [in, out, k], kernel = stride
-            value = normal(shape, shape[0] ** -0.5)
-        else:  # linear [out, in] or conv [out, in, k]
-            value = normal(shape, math.prod(shape[1:]) ** -0.5)
-        state_dict[key] = value
-    return state_dict
-
-
 __all__ = [
     "FishDACCodec",
     "FishDACDecoder",
@@ -913,6 +835,4 @@ __all__ = [
     "FishDACStreamingDecoder",
     "load_codec_state_dict",
     "original_codec_key_shapes",
-    "random_original_codec_state_dict",
-    "resample_audio",
 ]

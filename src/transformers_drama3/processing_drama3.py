@@ -9,18 +9,16 @@ Caller text (the text to speak, reference transcripts, history turns) can never 
 than a valid speaker tag `<|speaker:0|>`..`<|speaker:15|>`: such text is refused by a string check and the
 token ids of every caller segment are checked again after tokenization.
 
-Long text is split by `split_text` (SPEC 9) into chunks that each start with their speaker tag; a chunk is
-generated with earlier chunks as `history` turns.
+Long text is split by `chunking.split_text` into chunks that each start with their speaker tag; a chunk is
+generated with earlier chunks as `history` turns. Audio files are read and written by `audio_io`.
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,21 +27,11 @@ import torch
 from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
-from .voice import Drama3Voice, write_atomically
+from .audio_io import audio_file_info, check_sampling_rate, read_audio_file, write_audio
+from .chunking import split_text
+from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
+from .voice import Drama3Voice
 
-# Characters with the Unicode White_Space property (str.isspace() also accepts U+001C..U+001F, which would
-# change the empty-text check and the speaker-tag rule).
-WHITE_SPACE = (
-    "\t\n\x0b\x0c\r \x85\xa0\u1680"
-    + "".join(chr(code) for code in range(0x2000, 0x200B))
-    + "\u2028\u2029\u202f\u205f\u3000"
-)
-_WHITE_SPACE_CLASS = "[" + re.escape(WHITE_SPACE) + "]"
-LINE_BREAKS = ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029")
-
-MAX_SPEAKER_ID = 15
-SPEAKER_TAG = re.compile(r"<\|speaker:(?:1[0-5]|[0-9])\|>")
-DEFAULT_SPEAKER_PREFIX = "<|speaker:0|> "
 STRUCTURAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>")
 SEMANTIC_PREFIX = "<|semantic:"
 SEMANTIC_START_TOKEN = "<|semantic:0|>"
@@ -58,185 +46,8 @@ USER_START = "<|im_start|>user\n"
 VOICE_START = "<|im_start|>assistant\n<|voice|>"
 
 
-def _soundfile():
-    """soundfile (libsndfile), imported on first use: importing the package needs no audio I/O library."""
-    import soundfile
-
-    return soundfile
-
-
-# save_audio: file suffix -> (soundfile format, subtype).
-AUDIO_FILE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
-
-
 def _reference_segment(number: int, transcript: str) -> str:
     return f"\n\n[Reference {number}]\nText: {transcript}\nSpeech: "
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Speaker tags
-# ------------------------------------------------------------------------------------------------------------
-
-
-def tag_text(text: str) -> str:
-    """Put `<|speaker:0|> ` in front of `text` unless a speaker tag leads it (after white space)."""
-    if SPEAKER_TAG.match(text.lstrip(WHITE_SPACE)):
-        return text
-    return DEFAULT_SPEAKER_PREFIX + text
-
-
-def tag_transcript(transcript: str) -> str:
-    """Like `tag_text`, and a leading tag behind white space moves in front of it.
-
-    In a reference the tag must follow `"Text: "` directly: `"  <|speaker:1|>Hi"` becomes `"<|speaker:1|>  Hi"`.
-    """
-    tagged = tag_text(transcript)
-    body = tagged.lstrip(WHITE_SPACE)
-    lead = tagged[: len(tagged) - len(body)]
-    tag = SPEAKER_TAG.match(body)
-    return tag.group(0) + lead + body[tag.end() :]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Long text (SPEC 9)
-# ------------------------------------------------------------------------------------------------------------
-
-_CLOSERS = "\"'”’)»」』"
-_SENTENCE_END = re.compile(
-    rf"[.!?…‼⁇⁈⁉]+[{re.escape(_CLOSERS)}]*(?={_WHITE_SPACE_CLASS}|$)|[。！？]+[{re.escape(_CLOSERS)}]*"
-)
-_CLAUSE_END = re.compile(rf"[,;:—–]+(?={_WHITE_SPACE_CLASS}|$)|[，、；：]+")
-_WHITE_SPACE_RUN = re.compile(rf"{_WHITE_SPACE_CLASS}+")
-# Spans a cut must not fall inside: control-like tags, [cues], paired tags <x ...>...</x>, lone <tags>.
-_SPEAKER_TAG_LIKE = re.compile(r"<\|.*?\|>", re.DOTALL)
-_BRACKET_CUE = re.compile(r"\[[^\[\]]*\]")
-_PAIRED_TAG = re.compile(r"<([A-Za-z][\w:-]*)(?:\s[^<>]*)?>.*?</\1\s*>", re.DOTALL)
-_LONE_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
-
-
-def _utf8_length(text: str) -> int:
-    return len(text.encode("utf-8"))
-
-
-def _utf8_offsets(text: str) -> list[int]:
-    """`offsets[i]` = UTF-8 byte length of `text[:i]`."""
-    return [0, *itertools.accumulate(len(char.encode("utf-8")) for char in text)]
-
-
-def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], bool]:
-    """A test `inside(position)`: does a cut at `position` fall strictly inside a span matched by `patterns`?"""
-    spans = sorted(match.span() for pattern in patterns for match in pattern.finditer(text))
-    merged: list[list[int]] = []
-    for start, end in spans:
-        if merged and start < merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    starts = [start for start, _ in merged]
-
-    def inside(position: int) -> bool:
-        index = bisect.bisect_left(starts, position) - 1
-        return index >= 0 and position < merged[index][1]
-
-    return inside
-
-
-def _cut_candidates(text: str) -> list[list[int]]:
-    """Sorted allowed cut positions in `text`, best kind first: after sentence ends, after clause marks, at spaces."""
-    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
-    levels = [
-        [match.end() for match in _SENTENCE_END.finditer(text)],
-        [match.end() for match in _CLAUSE_END.finditer(text)],
-        [match.start() for match in _WHITE_SPACE_RUN.finditer(text)],
-    ]
-    return [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
-
-
-def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int | None:
-    """The cut after `start` whose piece fits `max_bytes`, preferring better kinds, then longer pieces.
-
-    If no piece fits: the nearest cut of any kind (an oversize piece); None if there is no cut at all.
-    """
-    limit = bisect.bisect_right(offsets, offsets[start] + max_bytes) - 1  # last position that fits
-    for level in levels:
-        index = bisect.bisect_right(level, limit) - 1
-        if index >= 0 and level[index] > start:
-            return level[index]
-    later = [level[i] for level in levels if (i := bisect.bisect_right(level, start)) < len(level)]
-    return min(later) if later else None
-
-
-def _split_turn(body: str, max_bytes: int) -> list[str]:
-    """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes where possible.
-
-    No cut candidate has white space right before it, so a piece's size is a difference of byte offsets.
-    """
-    body = body.strip(WHITE_SPACE)
-    offsets = _utf8_offsets(body)
-    levels = _cut_candidates(body)
-    pieces, start = [], 0
-    while offsets[-1] - offsets[start] > max_bytes:
-        cut = _best_cut(levels, offsets, start, max_bytes)
-        if cut is None:
-            break
-        pieces.append(body[start:cut])
-        start = len(body) - len(body[cut:].lstrip(WHITE_SPACE))
-    return pieces + [body[start:]]
-
-
-def _speaker_turns(text: str) -> list[tuple[str, str]]:
-    """`(tag, body)` for every speaker turn of tagged text; tags inside cues or paired tags do not start turns."""
-    inside = _protected(text, (_BRACKET_CUE, _PAIRED_TAG))
-    starts = [match for match in SPEAKER_TAG.finditer(text) if not inside(match.start())]
-    turns = []
-    for index, match in enumerate(starts):
-        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
-        body = text[match.end() : end].strip(WHITE_SPACE)
-        if body:
-            turns.append((match.group(0), body))
-    return turns
-
-
-def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
-    """Split long text into chunks for generation one after another (SPEC 9).
-
-    Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
-    speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence
-    ends, else after clause marks, else at spaces; never inside `<|...|>`, `[cues]` or `<tag>...</tag>` spans. A
-    single unbreakable span longer than `max_bytes` becomes a chunk of its own, over the limit.
-
-    This function only splits; `Drama3Processor.split_text` also refuses unsafe text.
-    """
-    if not isinstance(text, str):
-        raise TypeError(f"text must be a string; got {type(text).__name__}")
-    if not isinstance(max_bytes, int) or max_bytes < 32:
-        raise ValueError(f"max_bytes must be an integer >= 32; got {max_bytes!r}")
-    if not isinstance(max_speakers, int) or max_speakers < 1:
-        raise ValueError(f"max_speakers must be a positive integer; got {max_speakers!r}")
-    for line_break in LINE_BREAKS:
-        text = text.replace(line_break, " ")
-    turns = _speaker_turns(tag_text(text).lstrip(WHITE_SPACE))
-    if not turns:
-        raise ValueError(f"text has nothing to speak besides speaker tags: {text!r}")
-    pieces = [f"{tag} {piece}" for tag, body in turns for piece in _split_turn(body, max_bytes - len(tag) - 1)]
-    chunks: list[list[str]] = []
-    for piece in pieces:
-        current = chunks[-1] if chunks else None
-        if current is not None and _fits(current + [piece], max_bytes, max_speakers):
-            current.append(piece)
-        else:
-            chunks.append([piece])
-    return [" ".join(chunk) for chunk in chunks]
-
-
-def _fits(pieces: list[str], max_bytes: int, max_speakers: int) -> bool:
-    speakers = {SPEAKER_TAG.match(piece).group(0) for piece in pieces}
-    return len(speakers) <= max_speakers and _utf8_length(" ".join(pieces)) <= max_bytes
-
-
-# ------------------------------------------------------------------------------------------------------------
-# Processor
-# ------------------------------------------------------------------------------------------------------------
 
 
 class Drama3Processor(ProcessorMixin):
@@ -569,7 +380,7 @@ class Drama3Processor(ProcessorMixin):
             return self._read_audio_file(audio, sampling_rate, where)
         if sampling_rate is None:
             raise ValueError(f"{where}: an audio array needs its 'sampling_rate'")
-        sampling_rate = _check_sampling_rate(sampling_rate, where)
+        sampling_rate = check_sampling_rate(sampling_rate, where)
         samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
         if not np.issubdtype(samples.dtype, np.floating):
             raise ValueError(f"{where}: audio must be a float array with values in [-1, 1]; got dtype {samples.dtype}")
@@ -591,21 +402,13 @@ class Drama3Processor(ProcessorMixin):
         self, path: str | os.PathLike, sampling_rate: int | None, where: str
     ) -> tuple[np.ndarray, int]:
         """Read an audio file as float32 mono `[L]`; its length is checked before the samples are read."""
-        if not Path(path).is_file():
-            raise FileNotFoundError(f"{where}: audio file {str(path)!r} does not exist")
-        try:
-            info = _soundfile().info(str(path))
-        except _soundfile().LibsndfileError as error:
-            raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
-        if sampling_rate is not None and sampling_rate != info.samplerate:
+        frames, file_rate = audio_file_info(path, where)
+        if sampling_rate is not None and sampling_rate != file_rate:
             raise ValueError(
-                f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; leave it out"
+                f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {file_rate} Hz; leave it out"
             )
-        self._check_duration(info.frames, info.samplerate, where)
-        samples, rate = _soundfile().read(str(path), dtype="float32", always_2d=True)  # [L, C]
-        if samples.shape[0] == 0:
-            raise ValueError(f"{where}: audio file {str(path)!r} holds no samples")
-        return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate
+        self._check_duration(frames, file_rate, where)
+        return read_audio_file(path, where)
 
     def create_voice(
         self,
@@ -636,17 +439,19 @@ class Drama3Processor(ProcessorMixin):
             frames = frames[0]
         if frames.ndim != 2 or frames.shape[1] != self.row_width:
             raise ValueError(
-                f"frames must have shape [T, {self.row_width}] (use batch_decode for [B, T, {self.row_width}]); "
+                f"frames must have shape [T, {self.row_width}] (use batch_frames_to_audio for [B, T, {self.row_width}]); "
                 f"got {tuple(frames.shape)}"
             )
         main = frames[:, 0]
         audio_rows = (main >= self.semantic_start_id) & (main < self.semantic_start_id + self.semantic_vocab_size)
         return frames[audio_rows, 1:].T.to(device="cpu", dtype=torch.long)  # [K, n]
 
-    def decode(self, frames: Any, codec: Any = None) -> torch.Tensor:
+    def frames_to_audio(self, frames: Any, codec: Any = None) -> torch.Tensor:
         """Generated frames `[T, 1 + K]` -> float32 audio `[n * frame_length]` through `codec.decode` (CPU)."""
         if codec is None:
-            raise ValueError("decoding frames to audio needs the codec: processor.decode(frames, codec=model.codec)")
+            raise ValueError(
+                "turning frames into audio needs the codec: processor.frames_to_audio(frames, codec=model.codec)"
+            )
         codes = self.frames_to_codes(frames)  # [K, n]
         if codes.shape[1] == 0:
             return torch.zeros(0, dtype=torch.float32)
@@ -654,49 +459,19 @@ class Drama3Processor(ProcessorMixin):
             audio = codec.decode(codes[None])  # [1, n * frame_length]
         return audio[0].reshape(-1).to(device="cpu", dtype=torch.float32)
 
-    def batch_decode(self, frames: Any, codec: Any = None) -> list[torch.Tensor]:
+    def batch_frames_to_audio(self, frames: Any, codec: Any = None) -> list[torch.Tensor]:
         """A batch of frames `[B, T, 1 + K]` (or a list of `[T_i, 1 + K]`) -> one audio tensor per sequence."""
         if isinstance(frames, torch.Tensor) and frames.ndim != 3:
-            raise ValueError(f"batch_decode takes frames [B, T, {self.row_width}]; got {tuple(frames.shape)}")
-        return [self.decode(sequence, codec) for sequence in frames]
+            raise ValueError(f"batch_frames_to_audio takes frames [B, T, {self.row_width}]; got {tuple(frames.shape)}")
+        return [self.frames_to_audio(sequence, codec) for sequence in frames]
 
     def save_audio(self, audio: Any, path: str | os.PathLike, sampling_rate: int | None = None) -> Path:
-        """Write float audio `[samples]` or `[channels, samples]` to `path`, atomically.
+        """Write float audio `[samples]` or `[channels, samples]` to `path`, atomically (`audio_io.write_audio`).
 
         The format follows the suffix: `.wav` (16-bit PCM), `.flac` (16-bit), `.ogg` (Vorbis). Samples are clipped
         to [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
         """
-        file_format, subtype = _audio_file_format(path)
-        rate = _check_sampling_rate(self.sampling_rate if sampling_rate is None else sampling_rate, "save_audio")
-        if isinstance(audio, torch.Tensor):
-            audio = audio.detach().to(device="cpu", dtype=torch.float32).numpy()
-        samples = np.asarray(audio, dtype=np.float32)
-        if samples.ndim == 2:
-            samples = samples.T  # soundfile wants [samples, channels]
-        elif samples.ndim != 1:
-            raise ValueError(f"audio must be [samples] or [channels, samples]; got shape {samples.shape}")
-        if not np.isfinite(samples).all():
-            raise ValueError("audio contains NaN or infinite values")
-        samples = np.clip(samples, -1.0, 1.0)
-        return write_atomically(
-            path, lambda file: _soundfile().write(file, samples, rate, format=file_format, subtype=subtype)
-        )
-
-
-def _audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
-    suffix = Path(path).suffix.lower()
-    if suffix not in AUDIO_FILE_FORMATS:
-        raise ValueError(f"cannot tell the audio format of {str(path)!r}: use one of {sorted(AUDIO_FILE_FORMATS)}")
-    file_format, subtype = AUDIO_FILE_FORMATS[suffix]
-    if not _soundfile().check_format(file_format, subtype):
-        raise ValueError(f"this soundfile/libsndfile build cannot write {file_format} ({subtype}); use .wav")
-    return file_format, subtype
-
-
-def _check_sampling_rate(sampling_rate: Any, where: str) -> int:
-    if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
-        raise ValueError(f"{where}: sampling_rate must be a positive integer; got {sampling_rate!r}")
-    return int(sampling_rate)
+        return write_audio(path, audio, self.sampling_rate if sampling_rate is None else sampling_rate)
 
 
 def _excerpt(text: str, start: int) -> str:

@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from .generation_drama3 import Drama3AudioStreamer
+from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 
 

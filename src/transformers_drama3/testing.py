@@ -21,7 +21,8 @@ from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from .checkpoint_mapping import FP8_BLOCK, expected_original_tensors
-from .configuration_drama3 import FishOmniConfig, _merge
+from .configuration_drama3 import FishDACConfig, FishOmniConfig, merge_settings
+from .modeling_codec import original_codec_key_shapes
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 STRUCTURAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>"]
@@ -113,7 +114,7 @@ _TRAINING_TEXT = (
 
 def tiny_config_dict(**overrides) -> dict:
     """The original-schema config.json of a tiny checkpoint; nested dicts in `overrides` merge key by key."""
-    return _merge(TINY_CONFIG, overrides)
+    return merge_settings(TINY_CONFIG, overrides)
 
 
 def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, max_shard_size: str = "10MB", **overrides) -> str:
@@ -138,8 +139,6 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, max_shard_size
     generator = torch.Generator().manual_seed(seed)
     tensors = _random_original_tensors(config, generator)
     _save_sharded(tensors, path, max_shard_size)
-    from .modeling_codec import random_original_codec_state_dict
-
     torch.save(random_original_codec_state_dict(config.codec_config, generator), os.path.join(path, "codec.pth"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_dict, f, indent=2)
@@ -233,6 +232,44 @@ def _save_tokenizer(tokenizer, path: str) -> None:
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>", model_max_length=4096,
                                    clean_up_tokenization_spaces=False)
     fast.save_pretrained(path)
+
+
+def random_original_codec_state_dict(config: FishDACConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """A random float32 `codec.pth` state dict in the original layout, for tiny test checkpoints and benchmarks.
+
+    Snake alphas in [0.5, 1.5], weight-norm gains in [0.5, 1.5] (never exactly 1), layer scales in [0.1, 0.5],
+    norm gains near 1, random codebooks, fan-in scaled weights: `load_original_state_dict` accepts it and it
+    decodes to finite audio that is not saturated.
+    """
+
+    def uniform(shape: tuple[int, ...], low: float, high: float) -> torch.Tensor:
+        return torch.rand(shape, generator=generator) * (high - low) + low
+
+    def normal(shape: tuple[int, ...], std: float) -> torch.Tensor:
+        return torch.randn(shape, generator=generator) * std
+
+    state_dict = {}
+    for key, shape in original_codec_key_shapes(config).items():
+        if key.endswith("alpha"):
+            value = uniform(shape, 0.5, 1.5)
+        elif key.endswith(".block.3.conv.parametrizations.weight.original0"):  # last conv of a residual unit
+            value = uniform(shape, 0.1, 0.3)  # small residual branches keep the stacked units from blowing up
+        elif key.endswith(("original0", "weight_g")):
+            value = uniform(shape, 0.5, 1.5)
+        elif key.endswith(("original1", "weight_v", "codebook.weight")):
+            value = normal(shape, 1.0)
+        elif key.endswith(("layer_scale.gamma", ".1.gamma")):
+            value = uniform(shape, 0.1, 0.5)
+        elif key.endswith(("norm.weight",)):
+            value = uniform(shape, 0.8, 1.2)
+        elif key.endswith("bias"):
+            value = normal(shape, 0.02)
+        elif ".upsample." in key and key.endswith("conv.weight"):  # transposed [in, out, k], kernel = stride
+            value = normal(shape, shape[0] ** -0.5)
+        else:  # linear [out, in] or conv [out, in, k]
+            value = normal(shape, math.prod(shape[1:]) ** -0.5)
+        state_dict[key] = value
+    return state_dict
 
 
 def default_tiny_checkpoint(seed: int = 0) -> str:

@@ -1,52 +1,27 @@
-"""Saved voices and atomic file writes.
+"""Saved voices.
 
 A `Drama3Voice` is a voice reference that has already been through the codec encoder: its codes `[10, frames]`
 plus the transcript of what is said in it. Saving it once means later requests reuse the voice without loading
 the codec encoder or re-reading the audio. The file is a safetensors file holding one `codes` tensor, with the
 transcript and an optional name in its metadata.
 
-`write_atomically` is shared with `Drama3Processor.save_audio`: files are written to a temporary file in the
-target directory and renamed over the target, so an error never leaves a half-written file behind.
+Voice files are written atomically (`audio_io.write_atomically`): an error never leaves a half-written file.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors_bytes
 
+from .audio_io import write_atomically
+
 VOICE_FORMAT = "drama3-voice"
 VOICE_FORMAT_VERSION = "1"
-
-
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
-    """Call `write(file)` on a temporary file next to `path`, then rename it to `path`.
-
-    The rename is atomic on one file system: readers see either the old file or the complete new one. If `write`
-    raises, the temporary file is removed, an existing file at `path` is left untouched, and the error propagates.
-    """
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"cannot write to {str(path)!r}: it is a directory; give a file name")
-    if not path.parent.is_dir():
-        raise FileNotFoundError(f"cannot write {str(path)!r}: the directory {str(path.parent)!r} does not exist")
-    temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
-    try:
-        with open(temporary, "xb") as file:
-            write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    except BaseException:
-        temporary.unlink(missing_ok=True)
-        raise
-    return path
 
 
 @dataclass(eq=False)  # codes are a tensor: no elementwise-ambiguous __eq__

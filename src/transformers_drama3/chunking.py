@@ -1,0 +1,151 @@
+"""Long text -> chunks that are spoken one after another (`split_text`).
+
+Each chunk has at most `max_bytes` UTF-8 bytes and `max_speakers` distinct speakers and starts with its speaker tag.
+Cuts fall after sentence ends, else after clause marks, else at white space, never inside `<|...|>` tags, `[cues]`
+or `<tag>...</tag>` spans. `synthesize` generates the chunks with earlier ones as history turns (docs/usage.md).
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import re
+from collections.abc import Callable, Sequence
+
+from .speaker_tags import SPEAKER_TAG, WHITE_SPACE, WHITE_SPACE_CLASS, tag_text
+
+LINE_BREAKS = ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029")
+_CLOSERS = "\"'”’)»」』"
+_SENTENCE_END = re.compile(
+    rf"[.!?…‼⁇⁈⁉]+[{re.escape(_CLOSERS)}]*(?={WHITE_SPACE_CLASS}|$)|[。！？]+[{re.escape(_CLOSERS)}]*"
+)
+_CLAUSE_END = re.compile(rf"[,;:—–]+(?={WHITE_SPACE_CLASS}|$)|[，、；：]+")
+_WHITE_SPACE_RUN = re.compile(rf"{WHITE_SPACE_CLASS}+")
+# Spans a cut must not fall inside: control-like tags, [cues], paired tags <x ...>...</x>, lone <tags>.
+_SPEAKER_TAG_LIKE = re.compile(r"<\|.*?\|>", re.DOTALL)
+_BRACKET_CUE = re.compile(r"\[[^\[\]]*\]")
+_PAIRED_TAG = re.compile(r"<([A-Za-z][\w:-]*)(?:\s[^<>]*)?>.*?</\1\s*>", re.DOTALL)
+_LONE_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
+
+
+def _utf8_length(text: str) -> int:
+    return len(text.encode("utf-8"))
+
+
+def _utf8_offsets(text: str) -> list[int]:
+    """`offsets[i]` = UTF-8 byte length of `text[:i]`."""
+    return [0, *itertools.accumulate(len(char.encode("utf-8")) for char in text)]
+
+
+def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], bool]:
+    """A test `inside(position)`: does a cut at `position` fall strictly inside a span matched by `patterns`?"""
+    spans = sorted(match.span() for pattern in patterns for match in pattern.finditer(text))
+    merged: list[list[int]] = []
+    for start, end in spans:
+        if merged and start < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    starts = [start for start, _ in merged]
+
+    def inside(position: int) -> bool:
+        index = bisect.bisect_left(starts, position) - 1
+        return index >= 0 and position < merged[index][1]
+
+    return inside
+
+
+def _cut_candidates(text: str) -> list[list[int]]:
+    """Sorted allowed cut positions in `text`, best kind first: after sentence ends, after clause marks, at spaces."""
+    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    levels = [
+        [match.end() for match in _SENTENCE_END.finditer(text)],
+        [match.end() for match in _CLAUSE_END.finditer(text)],
+        [match.start() for match in _WHITE_SPACE_RUN.finditer(text)],
+    ]
+    return [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
+
+
+def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int | None:
+    """The cut after `start` whose piece fits `max_bytes`, preferring better kinds, then longer pieces.
+
+    If no piece fits: the nearest cut of any kind (an oversize piece); None if there is no cut at all.
+    """
+    limit = bisect.bisect_right(offsets, offsets[start] + max_bytes) - 1  # last position that fits
+    for level in levels:
+        index = bisect.bisect_right(level, limit) - 1
+        if index >= 0 and level[index] > start:
+            return level[index]
+    later = [level[i] for level in levels if (i := bisect.bisect_right(level, start)) < len(level)]
+    return min(later) if later else None
+
+
+def _split_turn(body: str, max_bytes: int) -> list[str]:
+    """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes where possible.
+
+    No cut candidate has white space right before it, so a piece's size is a difference of byte offsets.
+    """
+    body = body.strip(WHITE_SPACE)
+    offsets = _utf8_offsets(body)
+    levels = _cut_candidates(body)
+    pieces, start = [], 0
+    while offsets[-1] - offsets[start] > max_bytes:
+        cut = _best_cut(levels, offsets, start, max_bytes)
+        if cut is None:
+            break
+        pieces.append(body[start:cut])
+        start = len(body) - len(body[cut:].lstrip(WHITE_SPACE))
+    return pieces + [body[start:]]
+
+
+def _speaker_turns(text: str) -> list[tuple[str, str]]:
+    """`(tag, body)` for every speaker turn of tagged text; tags inside cues or paired tags do not start turns."""
+    inside = _protected(text, (_BRACKET_CUE, _PAIRED_TAG))
+    starts = [match for match in SPEAKER_TAG.finditer(text) if not inside(match.start())]
+    turns = []
+    for index, match in enumerate(starts):
+        end = starts[index + 1].start() if index + 1 < len(starts) else len(text)
+        body = text[match.end() : end].strip(WHITE_SPACE)
+        if body:
+            turns.append((match.group(0), body))
+    return turns
+
+
+def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
+    """Split long text into chunks for generation one after another (SPEC 9).
+
+    Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
+    speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence
+    ends, else after clause marks, else at spaces; never inside `<|...|>`, `[cues]` or `<tag>...</tag>` spans. A
+    single unbreakable span longer than `max_bytes` becomes a chunk of its own, over the limit.
+
+    This function only splits; `Drama3Processor.split_text` also refuses unsafe text.
+    """
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string; got {type(text).__name__}")
+    if not isinstance(max_bytes, int) or max_bytes < 32:
+        raise ValueError(f"max_bytes must be an integer >= 32; got {max_bytes!r}")
+    if not isinstance(max_speakers, int) or max_speakers < 1:
+        raise ValueError(f"max_speakers must be a positive integer; got {max_speakers!r}")
+    for line_break in LINE_BREAKS:
+        text = text.replace(line_break, " ")
+    turns = _speaker_turns(tag_text(text).lstrip(WHITE_SPACE))
+    if not turns:
+        raise ValueError(f"text has nothing to speak besides speaker tags: {text!r}")
+    pieces = [f"{tag} {piece}" for tag, body in turns for piece in _split_turn(body, max_bytes - len(tag) - 1)]
+    chunks: list[list[str]] = []
+    for piece in pieces:
+        current = chunks[-1] if chunks else None
+        if current is not None and _fits(current + [piece], max_bytes, max_speakers):
+            current.append(piece)
+        else:
+            chunks.append([piece])
+    return [" ".join(chunk) for chunk in chunks]
+
+
+def _fits(pieces: list[str], max_bytes: int, max_speakers: int) -> bool:
+    speakers = {SPEAKER_TAG.match(piece).group(0) for piece in pieces}
+    return len(speakers) <= max_speakers and _utf8_length(" ".join(pieces)) <= max_bytes
+
+
+__all__ = ["split_text"]

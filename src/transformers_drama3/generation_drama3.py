@@ -61,6 +61,47 @@ class Drama3GenerateOutput(ModelOutput):
     sampling_rate: int | None = None
 
 
+def generation_settings(
+    base: GenerationConfig, generation_config: GenerationConfig | None = None, **kwargs
+) -> GenerationConfig:
+    """`base` (a model's generation config) updated with `generation_config` and per-call keywords, checked.
+
+    The one place where Drama 3's generation settings are validated: `generate` calls it, and so can a front end
+    (the CLI, a server) before loading a model, with `GenerationConfig(**DRAMA3_GENERATION_DEFAULTS)` as `base`.
+    Raises `TypeError` for an unknown keyword and `ValueError` for a value out of range, naming the setting.
+    """
+    settings = copy.deepcopy(base)
+    for key, value in DRAMA3_GENERATION_DEFAULTS.items():  # a generation_config.json may lack our keys
+        if not hasattr(settings, key):
+            setattr(settings, key, value)
+    if generation_config is not None:
+        settings.update(**generation_config.to_diff_dict())
+    for key in _IGNORED_PIPELINE_ARGS:
+        kwargs.pop(key, None)
+    unknown = sorted(set(kwargs) - set(DRAMA3_GENERATION_DEFAULTS))
+    if unknown:
+        raise TypeError(
+            f"generate() got unknown or unsupported arguments {unknown}; Drama 3 generation accepts "
+            f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, streamer, "
+            "seed, generator, output_audio, show_progress, return_dict_in_generate)"
+        )
+    settings.update(**kwargs)
+    if settings.max_new_tokens is None or settings.max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens (frames) must be >= 1, got {settings.max_new_tokens}")
+    if settings.stop_check_interval < 1:
+        raise ValueError(f"stop_check_interval must be >= 1, got {settings.stop_check_interval}")
+    if not isinstance(settings.fast_decode, bool):
+        raise ValueError(f"fast_decode must be True or False, got {settings.fast_decode!r}")
+    if settings.do_sample:
+        for name in ("temperature", "ras_temperature", "codebook_temperature"):
+            if getattr(settings, name) is None or getattr(settings, name) <= 0:
+                raise ValueError(f"{name} must be > 0 when sampling (use do_sample=False for greedy), got {getattr(settings, name)}")
+        for name in ("top_p", "ras_top_p", "codebook_top_p"):
+            if not 0 < getattr(settings, name) <= 1:
+                raise ValueError(f"{name} must be in (0, 1], got {getattr(settings, name)}")
+    return settings
+
+
 class Drama3GenerationMixin:
     """`generate` for `FishOmniForSpeech` (mixed into the model class)."""
 
@@ -74,39 +115,6 @@ class Drama3GenerationMixin:
         """Free the preallocated state and captured CUDA graphs that `generate(..., fast_decode=True)` keeps for
         later calls (they are rebuilt on the next such call)."""
         self._fast_decoder = None
-
-    def _generation_settings(self, generation_config: GenerationConfig | None, kwargs: dict) -> GenerationConfig:
-        """The model's generation config updated with `generation_config` and per-call keywords; checked."""
-        settings = copy.deepcopy(self.generation_config)
-        for key, value in DRAMA3_GENERATION_DEFAULTS.items():  # a generation_config.json may lack our keys
-            if not hasattr(settings, key):
-                setattr(settings, key, value)
-        if generation_config is not None:
-            settings.update(**generation_config.to_diff_dict())
-        for key in _IGNORED_PIPELINE_ARGS:
-            kwargs.pop(key, None)
-        unknown = sorted(set(kwargs) - set(DRAMA3_GENERATION_DEFAULTS))
-        if unknown:
-            raise TypeError(
-                f"generate() got unknown or unsupported arguments {unknown}; Drama 3 generation accepts "
-                f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, streamer, "
-                "seed, generator, output_audio, show_progress, return_dict_in_generate)"
-            )
-        settings.update(**kwargs)
-        if settings.max_new_tokens is None or settings.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens (frames) must be >= 1, got {settings.max_new_tokens}")
-        if settings.stop_check_interval < 1:
-            raise ValueError(f"stop_check_interval must be >= 1, got {settings.stop_check_interval}")
-        if not isinstance(settings.fast_decode, bool):
-            raise ValueError(f"fast_decode must be True or False, got {settings.fast_decode!r}")
-        if settings.do_sample:
-            for name in ("temperature", "ras_temperature", "codebook_temperature"):
-                if getattr(settings, name) is None or getattr(settings, name) <= 0:
-                    raise ValueError(f"{name} must be > 0 when sampling (use do_sample=False for greedy), got {getattr(settings, name)}")
-            for name in ("top_p", "ras_top_p", "codebook_top_p"):
-                if not 0 < getattr(settings, name) <= 1:
-                    raise ValueError(f"{name} must be in (0, 1], got {getattr(settings, name)}")
-        return settings
 
     @torch.no_grad()
     def generate(
@@ -131,7 +139,7 @@ class Drama3GenerationMixin:
         over preallocated state, one CUDA graph replay per frame on CUDA (`fast_decode.py`; same frames, see
         docs/usage.md). Returns a `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
         """
-        settings = self._generation_settings(generation_config, dict(kwargs))
+        settings = generation_settings(self.generation_config, generation_config, **kwargs)
         self.check_frames(input_ids)
         input_ids = input_ids.to(self.input_device)
         attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None

@@ -32,7 +32,7 @@ from .configuration_drama3 import FishOmniConfig
 from .device_placement import execution_device, pin_codec_to_main_device, warn_about_codec_entries
 from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
-from .modeling_tower import Drama3CodebookTower, Drama3TowerCache, Drama3ZeroCenteredNorm
+from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 CODEC_FILE = "codec.pth"
@@ -73,6 +73,13 @@ class FishOmniPreTrainedModel(PreTrainedModel):
     base_model_prefix = ""
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
+    # Attention kernels: the backbone's and the tower's attention both run through transformers' attention interface
+    # (`attn_implementation="sdpa"` (default), `"eager"`, `"flash_attention_2"`, registered hub kernels).
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    # Caches passed to forward stay where they are under accelerate dispatch (their layers sit on their own devices).
+    _skip_keys_device_placement = ["cache", "tower_cache", "past_key_values"]
     # accelerate keeps each of these on one device: a backbone layer, the whole tower, the whole codec.
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3CodebookTower", "FishDACCodec"]
     # The codec's weights come from codec.pth, not from the safetensors files.
@@ -80,13 +87,9 @@ class FishOmniPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.text_config.initializer_range
-        if isinstance(module, Drama3ZeroCenteredNorm):
-            module.weight.zero_()  # zero-centred: gain 1 + w = 1
-        elif isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+        """Random weights of what is not a sub-model (the backbone and the tower initialise their own): lm_head."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, self.config.text_config.initializer_range)
 
 
 class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):

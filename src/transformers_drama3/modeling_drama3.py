@@ -244,8 +244,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             raise ValueError("the loss needs the logits of every row: leave logits_to_keep at 0 with labels")
         cache = cache if cache is not None else past_key_values
         self.check_frames(input_ids)
-        input_ids = input_ids.to(self.input_device)
-        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
+        input_ids = input_ids.to(self.input_device, torch.long)
+        attention_mask = attention_mask.to(self.input_device) if isinstance(attention_mask, torch.Tensor) else attention_mask
         labels = labels.to(self.input_device) if labels is not None else None
         batch, rows, _ = input_ids.shape
         if use_cache is None:
@@ -328,21 +328,33 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
 
     @staticmethod
     def _full_attention_mask(attention_mask, batch: int, past: int, rows: int, device) -> torch.Tensor:
-        """`[B, past + T]` mask of real rows (all ones when none is given)."""
+        """`[B, past + T]` long mask of real rows (all ones when none is given), checked: 0/1 values, left padding
+        only, at least one real row per sequence."""
         if attention_mask is None:
             return torch.ones(batch, past + rows, dtype=torch.long, device=device)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor [batch, rows], got {type(attention_mask).__name__}")
         if attention_mask.shape != (batch, past + rows):
             raise ValueError(
                 f"attention_mask must be [batch, cached rows + new rows] = [{batch}, {past + rows}], got "
                 f"{tuple(attention_mask.shape)}"
             )
-        empty = ~attention_mask.bool().any(-1)
+        if attention_mask.dtype.is_complex or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (left padding) and 1 (real rows) only")
+        mask = attention_mask.long()
+        empty = mask.sum(-1) == 0
         if empty.any():
             raise ValueError(
                 f"attention_mask row {int(empty.nonzero()[0, 0])} is all zeros: that sequence has no real row to "
                 "condition on (1 marks a real row, 0 left padding)"
             )
-        return attention_mask.long()
+        padding_after_rows = (mask[:, 1:] < mask[:, :-1]).any(-1)
+        if padding_after_rows.any():
+            raise ValueError(
+                f"attention_mask row {int(padding_after_rows.nonzero()[0, 0])} has padding (0) after real rows: Drama 3 "
+                "takes left-padded batches, padding first (the processor pads that way)"
+            )
+        return mask
 
     def _tower_teacher_forcing(self, hidden, frames, position_ids, attention_mask, tower_cache, kept: int):
         """Codebook logits `[B, kept, NCB-1, V]` of the last `kept` rows (zeros for a row whose previous row is not
@@ -373,8 +385,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         1..NCB-1 of audio labels."""
         if labels.shape != main_logits.shape[:2] + (1 + self.config.num_codebooks,):
             raise ValueError(f"labels must have the shape of input_ids {tuple(main_logits.shape[:2])} + (11,), got {tuple(labels.shape)}")
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise ValueError(f"labels must hold integer ids (frame rows, main id {IGNORE_INDEX} to leave a row out), got {labels.dtype}")
+        labels = labels.long()
         start, vocab = self.config.semantic_start_token_id, self.config.codebook_size
         main = labels[..., 0]  # [B, T]
+        text_vocab = self.config.text_config.vocab_size
+        bad = (main != IGNORE_INDEX) & ((main < 0) | (main >= text_vocab))
+        if bad.any():
+            where = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"labels[{where[0]}, {where[1]}, 0] = {int(main[where[0], where[1]])}: label main ids must lie in the text "
+                f"vocabulary [0, {text_vocab}), or be {IGNORE_INDEX} to leave the row out of the loss"
+            )
         counted = (main != IGNORE_INDEX) & row_mask
         audio = counted & self.is_audio_row(main)
         main_target = torch.where(audio, main - start + 1, torch.full_like(main, IGNORE_INDEX))

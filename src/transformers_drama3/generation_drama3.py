@@ -22,6 +22,7 @@ from transformers.utils import ModelOutput
 
 from .device_placement import execution_device
 from .fast_decode import check_fast_decode, run_fast
+from .parallel import check_fast_decode_allowed, shared_seed
 from .sampling import FrameSampler
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server, SPEC 6 and 7).
@@ -246,6 +247,7 @@ class Drama3GenerationMixin:
         if streamer is not None and batch != 1:
             raise ValueError(f"streaming takes one sequence at a time, got a batch of {batch}")
         device = input_ids.device
+        seed = shared_seed(self, seed, generator)  # split over ranks: every rank draws the same noise
         if generator is None and seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         attention_mask = self._full_attention_mask(attention_mask, batch, 0, rows, device)
@@ -254,6 +256,7 @@ class Drama3GenerationMixin:
             raise ValueError(f"the prompt has {rows} rows but the backbone's context is {limit} rows")
 
         if settings.fast_decode:
+            check_fast_decode_allowed(self)
             check_fast_decode(self)
 
         loop = _FrameLoop(self, settings, input_ids, attention_mask, generator, streamer)

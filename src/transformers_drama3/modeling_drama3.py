@@ -403,9 +403,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         loaded but not yet dispatched, so the dtype fix also reaches weights that accelerate then keeps in RAM.
         """
         device_map = load_config.device_map
-        # A map with one device offloads nothing (a rank of a tensor-parallel load gets `{"": its device}`): only a
-        # map that spreads the model needs the codec pinned.
-        if isinstance(device_map, dict) and len({str(device) for device in device_map.values()}) > 1:
+        # A tensor/expert-parallel rank (a device mesh) gets `{"": its device}`, all in memory: nothing to pin.
+        if isinstance(device_map, dict) and load_config.device_mesh is None:
             pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
         loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         quantizer = load_config.hf_quantizer

@@ -6,7 +6,7 @@ linear-attention projections with gathered outputs, on newer versions the input 
 plan (`base_model_ep_plan`: whole routed experts per rank) apply under `backbone.` when `from_pretrained` gets a
 `DistributedConfig`. `lm_head`, the codebook tower and the codec stay whole on every rank: every rank then computes
 the same frames with no extra collective, the tower's many small steps per frame pay no communication, and together
-they are 3.2 B parameters (lm_head 0.51 B, tower 1.22 B in bf16, codec 0.41 B in float32; 5.6 GB per rank).
+they are 2.1 B parameters (lm_head 0.51 B and tower 1.22 B in bf16, codec 0.41 B in float32: 5.1 GB per rank).
 
 What this module adds:
 - `distributed_config(expert_parallel=...)`: the `DistributedConfig` for the installed transformers (the expert
@@ -48,7 +48,7 @@ PARALLEL_ARGUMENTS = ("tp_plan", "tp_size", "distributed_config")
 
 
 class Drama3ParallelError(ValueError):
-    """A tensor- or expert-parallel load or run that cannot work, found before any weight is read."""
+    """A tensor- or expert-parallel load or run that cannot work, refused before any work starts."""
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -131,11 +131,6 @@ def distributed_config(expert_parallel: bool = False, size: int | None = None) -
     if expert_parallel:
         return DistributedConfig(tp_size=size, tp_plan="auto", enable_expert_parallel=True)
     return DistributedConfig(tp_size=size, tp_plan="auto")
-
-
-def is_expert_parallel(config: DistributedConfig) -> bool:
-    """Whether `config` asks for expert parallelism (`ep_size > 1`, or 5.17's `enable_expert_parallel`)."""
-    return (getattr(config, "ep_size", None) or 1) > 1 or bool(config.enable_expert_parallel)
 
 
 def attention_is_split(text_config, size: int) -> bool:
@@ -368,7 +363,6 @@ __all__ = [
     "distributed_config",
     "expert_parallel_plan",
     "init_process_group",
-    "is_expert_parallel",
     "is_main_process",
     "is_sharded",
     "is_split",

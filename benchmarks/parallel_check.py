@@ -11,8 +11,8 @@ memory of every rank. Reported: split vs one device (main logits max abs diff an
 greedy frames are equal, frame step ratio). With one process (plain `python`) only the one-device half runs.
 
 Geometries (`--config`): `tiny` (the tiny test geometry with 2 key/value heads and 256 expert rows, so both modes
-split it over 2 ranks), `real` (the real backbone, lm_head and tower: hidden 2048, 40 layers, 256 experts; the tiny
-codec, which is not split and not part of the frame step). `--layers L` keeps the first L backbone layers (the real
+split it over 2 ranks), `real` (the real geometry: hidden 2048, 40 layers, 256 experts, the 13-layer tower, the real
+codec). `--layers L` keeps the first L backbone layers (the real
 checkpoint is ~41 GB with FP8 experts; 8 layers make it ~9 GB). bf16 on CUDA, float32 on the CPU.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_check.py --config real --layers 8 --checkpoint /tmp/drama3-random
@@ -26,11 +26,12 @@ import argparse
 import copy
 import gc
 import json
+import math
 import os
 import statistics
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ MODES = ("tensor", "expert")
 
 
 def real_geometry(layers: int | None) -> dict:
-    """`write_tiny_checkpoint` overrides for the real backbone, lm_head and tower (original config.json keys)."""
+    """`write_tiny_checkpoint` overrides for the real geometry (original config.json keys)."""
     real = FishOmniConfig()
     text, tower = real.text_config, real.audio_decoder_config
     text_keys = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -58,7 +59,11 @@ def real_geometry(layers: int | None) -> dict:
     text_config = {key: getattr(text, key) for key in text_keys}
     if layers is not None:
         text_config["num_hidden_layers"] = layers
-    return {"text_config": text_config, "audio_decoder_config": {key: getattr(tower, key) for key in tower_keys}}
+    codec = real.codec_config.to_dict()
+    codec_config = {key: codec[key] for key in ("encoder_dim", "latent_dim", "decoder_dim", "encoder_transformer_layers",
+                                                "quantizer")}
+    return {"text_config": text_config, "audio_decoder_config": {key: getattr(tower, key) for key in tower_keys},
+            "codec_config": codec_config}
 
 
 GEOMETRIES = {
@@ -180,7 +185,8 @@ def measure(model: FishOmniForSpeech, args: argparse.Namespace) -> dict:
     result = {"main_logits": logits, "codes": out.codes[0].cpu(), "finish_reason": out.finish_reason[0]}
     if steps:
         steps.sort()
-        result["frame_ms"] = {"median": 1e3 * statistics.median(steps), "p90": 1e3 * steps[int(0.9 * (len(steps) - 1))]}
+        p90 = steps[math.ceil(0.9 * len(steps)) - 1]
+        result["frame_ms"] = {"median": round(1e3 * statistics.median(steps), 3), "p90": round(1e3 * p90, 3)}
     if device.type == "cuda":
         result["peak_gb"] = torch.cuda.max_memory_allocated(device) / GB
     return result
@@ -212,8 +218,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         torch.set_num_threads(1)  # steadier on a shared CPU machine
     size = parallel.world_size()
-    if size > 1:
-        parallel.init_process_group()
+    if size > 1:  # the other ranks wait while rank 0 writes the checkpoint and runs the one-device half
+        parallel.init_process_group(timeout=timedelta(hours=2))
     checkpoint = args.checkpoint or os.path.join(tempfile.gettempdir(), f"drama3-parallel-{args.config}")
     if not os.path.isfile(os.path.join(checkpoint, "config.json")):
         parallel.run_on_main_process(write_tiny_checkpoint, checkpoint, **GEOMETRIES[args.config](args.layers))

@@ -3,7 +3,8 @@ CHECKPOINT OUTPUT_DIR MODE...` (MODE: tensor or expert).
 
 For each mode it loads CHECKPOINT split over the ranks (float32, CPU, gloo) and saves what `tests/test_parallel.py`
 compares with one process into `OUTPUT_DIR/{mode}-rank{rank}.pt`: the teacher-forced outputs of `prompt_rows`,
-greedy, seeded and unseeded sampled frames, each parameter's local size, and the errors of what must be refused.
+greedy (also streamed), seeded and unseeded sampled frames, each parameter's local size, and the errors of what
+must be refused.
 """
 
 from __future__ import annotations
@@ -44,6 +45,19 @@ def run_outputs(model) -> dict:
     }
 
 
+class CodesCollector:
+    """A streamer (transformers' `put`/`end`) that keeps the codes `[1, NCB]` of every streamed frame."""
+
+    def __init__(self):
+        self.frames: list[torch.Tensor] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.frames.append(value[0])
+
+    def end(self) -> None:
+        pass
+
+
 def refusal(run) -> str:
     """The message of the `Drama3ParallelError` that `run()` must raise ("" when it raised none)."""
     from transformers_drama3.parallel import Drama3ParallelError
@@ -65,6 +79,9 @@ def main() -> None:
         model = FishOmniForSpeech.from_pretrained(checkpoint, dtype=torch.float32, distributed_config=config)
         prompt = prompt_rows(model.config)
         result = run_outputs(model)
+        collector = CodesCollector()
+        model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_audio=False, streamer=collector)
+        result["streamed"] = torch.stack(collector.frames, dim=1)  # [NCB, n]
         torch.manual_seed(100 + parallel.rank())  # independent processes: the global generators differ
         result["unseeded"] = model.generate(prompt, max_new_tokens=4, output_audio=False).codes[0]
         result["local_numel"] = {

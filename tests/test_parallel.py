@@ -17,7 +17,7 @@ from transformers_drama3.parallel import Drama3ParallelError
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
-from .parallel_worker import run_outputs
+from .parallel_worker import prompt_rows, run_outputs
 
 RANKS = 2
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={RANKS}"]
@@ -92,13 +92,39 @@ def test_split_outputs_match_one_process(mode, ranks, single):
         assert torch.equal(ranks[mode][0][name], ranks[mode][1][name]), f"{name} differs between ranks"
 
 
+def test_greedy_decisions_are_wider_than_the_split_rounding(single):
+    """Every greedy choice of the reference frames wins by more than twice the rounding a split may add to its logits
+    (the tolerance above), so the split runs must make the same choices: the equality below is implied, not luck."""
+    model, reference = single
+    prompt = prompt_rows(model.config)
+    codes = reference["greedy"]  # [NCB, n]
+    rows = torch.cat(((codes[:1] + model.config.semantic_start_token_id), codes)).T[None]  # [1, n, 1 + NCB]
+    with torch.no_grad():
+        out = model(torch.cat((prompt, rows), dim=1))
+    first = prompt.shape[1]
+    main = out.main_logits[0, first - 1 : -1]  # [n, V + 1]: the logits each generated main token was chosen from
+    books = out.codebook_logits[0, first:]  # [n, NCB - 1, V]
+    for logits, name in ((main, "main_logits"), (books, "codebook_logits")):
+        top = logits.topk(2, dim=-1).values
+        margin = (top[..., 0] - top[..., 1]).min().item()
+        assert margin > 2 * tolerance(model.config, depths(model.config)[name], reference[name]), name
+
+
 @pytest.mark.parametrize("mode", ["tensor", "expert"])
 @pytest.mark.parametrize("run", ["greedy", "sampled"])
 def test_split_generation_gives_the_frames_of_one_process_on_every_rank(mode, run, ranks, single):
-    """The tie margins of these few frames are far wider than the tolerance above, so the decisions are the same."""
+    """Greedy: implied by the margins above. Sampled (seeded): the same noise on every rank and in one process, and
+    no draw of these frames falls within the split's rounding of a tie."""
     _, reference = single
     for rank in ranks[mode]:
         assert torch.equal(rank[run], reference[run])
+
+
+@pytest.mark.parametrize("mode", ["tensor", "expert"])
+def test_split_generation_streams_its_frames(mode, ranks, single):
+    _, reference = single
+    for rank in ranks[mode]:
+        assert torch.equal(rank["streamed"], reference["greedy"])
 
 
 @pytest.mark.parametrize("mode", ["tensor", "expert"])

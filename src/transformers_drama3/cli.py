@@ -26,9 +26,9 @@ import numpy as np
 import torch
 from transformers.utils import logging as transformers_logging
 
+from . import parallel
 from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS as DEFAULTS
 from .generation_drama3 import Drama3AudioStreamer
-from . import parallel
 from .modeling_drama3 import FishOmniForSpeech
 from .processing_drama3 import Drama3Processor, _audio_file_format
 from .synthesis import synthesize

@@ -26,6 +26,7 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass, fields
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -80,17 +81,18 @@ def launched_with_torchrun() -> bool:
     return world_size() > 1
 
 
-def init_process_group() -> None:
+def init_process_group(timeout: timedelta | None = None) -> None:
     """Join the default process group of a `torchrun` launch (once), before the model is loaded.
 
     transformers would create the same group while loading; doing it first lets rank 0 read the input and share it
-    before anything heavy. On CUDA each rank takes GPU `LOCAL_RANK`, as transformers' loading does.
+    before anything heavy. On CUDA each rank takes GPU `LOCAL_RANK`, as transformers' loading does. `timeout`: how
+    long a collective waits for the other ranks (torch's default when None).
     """
     if dist.is_initialized():
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group()  # gloo for CPU tensors, NCCL for CUDA ones
+    dist.init_process_group(timeout=timeout)  # gloo for CPU tensors, NCCL for CUDA ones
 
 
 def run_on_main_process(function, *args, **kwargs):
@@ -208,7 +210,9 @@ class ParallelRequest:
         elif isinstance(config, DistributedConfig):
             config = config.to_dict()
         elif not isinstance(config, dict):
-            raise Drama3ParallelError(f"`distributed_config` must be a DistributedConfig or a dict, got {type(config).__name__}")
+            raise Drama3ParallelError(
+                f"`distributed_config` must be a DistributedConfig or a dict, got {type(config).__name__}"
+            )
         other = {name: config.get(name) for name in ("fsdp_size", "pp_size", "dp_replicate_size")}
         if any((value or 1) > 1 for value in other.values()):
             raise Drama3ParallelError(
@@ -251,11 +255,12 @@ class ParallelRequest:
             splits["moe_intermediate_size"] = text.moe_intermediate_size
         if self.expert_parallel and not EXPERT_PARALLEL_BY_SIZE:
             splits = {}  # transformers 5.17: the expert plan alone, dense layers whole
+        alternative = "" if self.expert_parallel else ", or expert parallelism"
         for name, value in splits.items():
             if value % size:
                 raise Drama3ParallelError(
                     f"tensor parallelism over {size} ranks splits text_config.{name} = {value}, which {size} does not "
-                    "divide: use a world size that divides it" + (", or expert parallelism" if not self.expert_parallel else "")
+                    f"divide: use a world size that divides it{alternative}"
                 )
         if not self.expert_parallel and checkpoint_quant_method(config) == BSGEMM_MOE:
             share = text.moe_intermediate_size // size
@@ -280,11 +285,9 @@ class ParallelRequest:
         """Check the model's sizes (`check`) and return `{"distributed_config": ...}` for transformers' loader."""
         self.check(config)
         text = config.text_config
-        if self.tp_plan is not None:
-            plan = self.tp_plan
-        elif attention_is_split(text, self.size) or (self.expert_parallel and not EXPERT_PARALLEL_BY_SIZE):
-            plan = "auto"
-        else:
+        dense_split = not (self.expert_parallel and not EXPERT_PARALLEL_BY_SIZE)  # 5.17's expert plan: dense whole
+        plan = self.tp_plan or "auto"
+        if dense_split and not attention_is_split(text, self.size):
             if is_main_process():
                 logger.warning(
                     f"{self.size} ranks do not divide the {text.num_key_value_heads} key/value heads: the "
@@ -298,11 +301,12 @@ class ParallelRequest:
         return {"distributed_config": DistributedConfig(tp_size=self.size, tp_plan=plan)}
 
     def _whole_attention_plan(self, text_config) -> dict[str, str]:
-        """The plan with the full-attention layers whole, written as each transformers version reads a dict plan."""
+        """The plan (the caller's, else the model's) with the full-attention layers whole, written as each
+        transformers version reads a dict plan."""
         if EXPERT_PARALLEL_BY_SIZE:  # rules override the model's plan one by one: mark attention "replicate"
-            plan = {BACKBONE_PREFIX + key: style for key, style in text_config.base_model_tp_plan.items()}
-            return {key: "replicate" for key in plan if ATTENTION_RULE in key}
-        return tensor_parallel_plan(text_config, self.size)  # 5.17: the dict is the whole plan
+            rules = {BACKBONE_PREFIX + key for key in text_config.base_model_tp_plan if ATTENTION_RULE in key}
+            return {**dict.fromkeys(rules, "replicate"), **(self.tp_plan or {})}
+        return self.tp_plan or tensor_parallel_plan(text_config, self.size)  # 5.17: the dict is the whole plan
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from transformers.utils.quantization_config import FineGrainedFP8Config
 
 import frame_step
+from configs import build_model, model_config, random_prompt
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.testing import quantize_fp8_blockwise
 
@@ -87,16 +88,16 @@ def main() -> None:
         report["missing"] = problem
         print(problem)
     else:
-        config = frame_step.model_config(args.config, args.layers)
-        model = frame_step.build_model(config, device, torch.bfloat16, args.seed)
-        prompt = frame_step.random_prompt(config, args.prompt_rows, 1, device, args.seed)
+        config = model_config(args.config, args.layers)
+        model = build_model(config, device, torch.bfloat16, args.seed)
+        prompt = random_prompt(config, args.prompt_rows, 1, device, args.seed)
         with captured_experts(model):
             reference = model.generate(prompt, do_sample=False, max_new_tokens=8, output_audio=False).sequences
         with_fp8_experts(model)
         report["weights_gib"] = frame_step.weights_gib(model)
         report["timings"] = {}
         for batch in (int(b) for b in args.batches.split(",")):
-            batch_prompt = frame_step.random_prompt(config, args.prompt_rows, batch, device, args.seed)
+            batch_prompt = random_prompt(config, args.prompt_rows, batch, device, args.seed)
             for mode in ("eager", "graph"):
                 report["timings"][f"{mode}@{batch}"] = frame_step.attempt(
                     lambda: frame_step.time_mode(model, batch_prompt, mode, args, device))

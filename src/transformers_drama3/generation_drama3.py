@@ -26,6 +26,7 @@ from transformers.utils import ModelOutput, logging
 from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
 from .frame_step import FrameState, attention_window, row_limit
+from .parallel import check_fast_decode_allowed, shared_seed
 from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
@@ -513,8 +514,10 @@ class Drama3GenerationMixin(GenerationMixin):
         if isinstance(attention_mask, torch.Tensor):
             attention_mask = attention_mask.to(self.input_device)
         attention_mask = self._full_attention_mask(attention_mask, batch, 0, input_ids.shape[1], input_ids.device)
+        seed = shared_seed(self, seed, generator)  # split over ranks: every rank draws the same noise
         generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
         if settings.fast_decode:
+            check_fast_decode_allowed(self)
             check_cuda_graphs(self)
 
         prefill = self(input_ids, attention_mask, use_cache=True, logits_to_keep=1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
@@ -33,6 +34,7 @@ from .device_placement import execution_device, pin_codec_to_main_device, warn_a
 from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
+from .parallel import ParallelRequest
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 CODEC_FILE = "codec.pth"
@@ -421,15 +423,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         `max_memory` and `offload_folder` for offloading (the codec always stays whole on the main device, see
         `device_placement`); `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit dense linears (tower,
         lm_head and codec stay in full precision unless `llm_int8_skip_modules` says otherwise; the FP8 experts are
-        dequantised). The codec is loaded from `codec.pth` in float32 whatever `dtype` is; `model.codec.to(...)`
-        changes that. See docs/hardware.md.
+        dequantised); under `torchrun`, `tp_plan="auto"` or `distributed_config=parallel.distributed_config(...)`
+        for tensor or expert parallelism (`transformers_drama3.parallel`). The codec is loaded from `codec.pth` in
+        float32 whatever `dtype` is; `model.codec.to(...)` changes that. See docs/hardware.md.
         """
+        parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
         config = kwargs.pop("config", None)
         if config is None:
             config = FishOmniConfig.from_pretrained(directory)
         elif not isinstance(config, FishOmniConfig):
             raise TypeError(f"`config` must be a FishOmniConfig, got {type(config).__name__}")
+        if parallel is not None:
+            kwargs.update(parallel.load_kwargs(config))
         codec_path = os.path.join(directory, CODEC_FILE)
         if not os.path.isfile(codec_path):
             raise Drama3CheckpointError(f"checkpoint {directory!r} has no {CODEC_FILE} (the audio codec's weights)")
@@ -460,8 +466,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         this same dict afterwards, so pinning it in place covers both (see `device_placement`). The weights are
         loaded but not yet dispatched, so the dtype fix also reaches weights that accelerate then keeps in RAM.
         """
-        if isinstance(load_config.device_map, dict):
-            pin_codec_to_main_device(load_config.device_map, [name for name, _ in model.named_children()])
+        device_map = load_config.device_map
+        # A tensor/expert-parallel rank (a device mesh) gets `{"": its device}`, all in memory: nothing to pin.
+        if isinstance(device_map, dict) and load_config.device_mesh is None:
+            pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
         loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         quantizer = load_config.hf_quantizer
         if quantizer is not None and quantizer.pre_quantized and getattr(quantizer.quantization_config, "dequantize", False):
@@ -508,12 +516,23 @@ def cast_dequantised_checkpoint(model: FishOmniForSpeech, dtype: torch.dtype | N
     transformers 5.17 keeps every *renamed* weight of a pre-quantized checkpoint in the checkpoint's dtype (bf16)
     whatever `dtype` asks, so a float32 load came out mostly bf16; newer versions already agree (nothing to do).
     After dequantisation no weight is quantized, so all of them take `dtype`. Weights already offloaded to disk
-    (meta) were written with the right dtype by transformers.
+    (meta) were written with the right dtype by transformers. A tensor-parallel shard (a `DTensor`) becomes a new
+    parameter (`.data =` would relabel its dtype without converting its local tensor), marked as loaded the way
+    transformers' loader marks it, or transformers would re-initialise it as a weight it never loaded.
     """
     if dtype is None:
         return
-    for name, parameter in model.named_parameters():
-        if not name.startswith(CODEC_PREFIX) and parameter.is_floating_point() and not parameter.is_meta:
+    for name, parameter in list(model.named_parameters()):
+        if name.startswith(CODEC_PREFIX) or not parameter.is_floating_point() or parameter.is_meta:
+            continue
+        if isinstance(parameter, DTensor):
+            if parameter.dtype == dtype:
+                continue
+            converted = nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
+            converted._is_hf_initialized = True
+            module_name, _, parameter_name = name.rpartition(".")
+            setattr(model.get_submodule(module_name), parameter_name, converted)
+        else:
             parameter.data = parameter.data.to(dtype)
 
 

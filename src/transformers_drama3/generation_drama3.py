@@ -358,9 +358,15 @@ class FrameLoop:
         def state_for(batch: int, capacity: int, template) -> FrameState:
             return states.state(batch, capacity, ras_window, template, self.need_scores)
 
+        def window(rows: int) -> int:
+            """Rows a step attends over when `rows` are in use: a captured or compiled step keeps its shape for a
+            while (`attention_window`: a few distinct shapes, so few graphs and compilations); an eager one reads
+            exactly the rows in use."""
+            return attention_window(rows, cap) if self.graphs or self.compile_backend else rows
+
         batch = len(self.lengths)
-        visible = attention_window(self.rows + 1, cap)  # rows in use after the first step
-        state = state_for(self._bucket(batch), visible, prefill.cache)
+        visible = window(self.rows + 1)  # rows in use after the first step
+        state = state_for(self._bucket(batch), attention_window(self.rows + 1, cap), prefill.cache)
         self.members = list(range(batch))  # original index of state row i, for the first len(members) rows
         self.member_index = torch.arange(batch, device=state.slot.device)
         self.step = 0
@@ -371,15 +377,15 @@ class FrameLoop:
         )
         for step in range(self.frames):
             self.step = step
-            window = attention_window(self.rows + step + 1, cap)  # this step's new row is row rows + step
-            if window > state.capacity:  # grow: the same sequences in a state with room for the window
-                bigger = state_for(state.batch, window, state.cache)
-                run = runner(bigger, window)
+            rows = self.rows + step + 1  # this step's new row is row rows - 1
+            if rows > state.capacity:  # grow: the same sequences in a state with room for the next window
+                bigger = state_for(state.batch, attention_window(rows, cap), state.cache)
+                run = runner(bigger, window(rows))
                 bigger.load_from(state, torch.arange(state.batch, device=state.slot.device))
                 state = bigger
-            elif window != visible:
-                run = runner(state, window)
-            visible = window
+            elif window(rows) != visible:
+                run = runner(state, window(rows))
+            visible = window(rows)
             self.sampler.fill_noise(state.noise, self._row_generators(self.members, state.batch))
             ended_before = state.ended[: len(self.members)].clone() if state.scores is not None else None
             run()

@@ -15,6 +15,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from .device_placement import execution_device
+from .generation_drama3 import request_generators
 from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 
@@ -126,8 +128,7 @@ def synthesize(
         texts = processor.split_text(text, max_bytes=chunk_bytes, max_speakers=max_speakers)
         references = encode_references(processor, references, model.codec)
         device = model.input_device
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
+        generator = request_generators(seed, generator, 1, execution_device(model.lm_head))
         for chunk in tqdm(texts, unit="chunk", disable=not show_progress or len(texts) == 1):
             inputs = processor(chunk, references=references, history=history_turns(result.texts, result.codes))
             output = model.generate(

@@ -16,6 +16,8 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from .compat import sub_configs_declaration
+
 SPEECH_TEMPLATE_VERSIONS = ("reference-bracket-v1",)
 FISH_SCHEMA_VERSIONS = (1,)
 
@@ -27,16 +29,6 @@ class Drama3ConfigError(ValueError):
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise Drama3ConfigError(f"config key `{key}` = {value!r} breaks the rule: {rule}")
-
-
-def _sub_configs(mapping: dict[str, type]) -> dict[str, Any]:
-    """Class attributes declaring sub-configs, in the form of the installed transformers.
-
-    transformers >= 5.20 reads `sub_configs_defaults`; older 5.x versions read `sub_configs`.
-    """
-    if "sub_configs_defaults" in PreTrainedConfig.__dict__:
-        return {"sub_configs_defaults": mapping}
-    return {"sub_configs": mapping}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -383,7 +375,7 @@ class FishOmniConfig(PreTrainedConfig):
 
     model_type = "fish_omni"
     locals().update(
-        _sub_configs(
+        sub_configs_declaration(
             {"text_config": Qwen3_5MoeTextConfig, "audio_decoder_config": Drama3TowerConfig, "codec_config": FishDACConfig}
         )
     )

@@ -36,9 +36,11 @@ def _checkpointing(model: nn.Module) -> bool:
 
 
 def test_the_backbone_takes_its_cache_under_the_shims_name(tiny_backbone):
-    """Under another name the cache would go unnoticed into `**kwargs` (or fail): it must hold the 3 rows after."""
+    """The cache must hold the 3 rows afterwards, and the name must not be a deprecated alias (5.24 still accepts
+    `past_key_values`, with a FutureWarning)."""
     cache = DynamicCache(config=tiny_backbone.config)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
         tiny_backbone(inputs_embeds=torch.randn(1, 3, tiny_backbone.config.hidden_size), position_ids=torch.arange(3)[None],
                       use_cache=True, **{compat.backbone_cache_argument(): cache})
     assert cache.get_seq_length() == 3
@@ -132,8 +134,9 @@ def test_checkpointing_training_arguments_are_accepted_without_warnings(tmp_path
 
 
 def test_expert_parallel_arguments_build_a_distributed_config():
-    config = DistributedConfig(tp_size=2, tp_plan="auto", **compat.expert_parallel_arguments(2))
-    if compat.expert_parallel_by_size():
-        assert config.ep_size == 2
-    else:
-        assert config.enable_expert_parallel is True
+    """5.17 refuses `ep_size` (TypeError); 5.24 still takes `enable_expert_parallel` alone, with a FutureWarning (and
+    then shards nothing along experts)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        config = DistributedConfig(tp_size=2, tp_plan="auto", **compat.expert_parallel_arguments(2))
+    assert config.enable_expert_parallel is True and getattr(config, "ep_size", 2) == 2

@@ -1,9 +1,9 @@
 """How the original Drama 3 tensor names map onto `FishOmniForSpeech`, and checking a checkpoint before loading it.
 
-The original checkpoint (docs/format.md#tensor-names) loads through transformers' own `from_pretrained`: prefix renamings are registered
-for `model_type "fish_omni"` with transformers' conversion-mapping API, and the nested `Qwen3_5MoeTextModel` brings
-its own mapping that fuses the per-expert tensors. `save_pretrained` reverses the renamings, so saved checkpoints keep
-the original names.
+The original checkpoint (docs/format.md#tensor-names) loads through transformers' own `from_pretrained`: prefix
+renamings are registered for `model_type "fish_omni"` with transformers' conversion-mapping API, and the nested
+`Qwen3_5MoeTextModel` brings its own mapping that fuses the per-expert tensors. `save_pretrained` reverses the
+renamings, so saved checkpoints keep the original names.
 
 `check_checkpoint_tensors` reads only the safetensors headers and fails, before any weight is read, on a missing
 shard, a missing or unknown tensor, a tensor of the wrong shape, or an FP8 tensor without its scale.

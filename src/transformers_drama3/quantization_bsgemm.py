@@ -1,4 +1,4 @@
-"""The `bsgemm-moe` quantization method of Drama 3 checkpoints (docs/format.md#fp8-experts), made known to transformers.
+"""The `bsgemm-moe` quantization method of Drama 3 checkpoints, made known to transformers (docs/format.md#fp8-experts).
 
 Only the routed experts are FP8 (`float8_e4m3fn` with float32 `weight_scale_inv` per 128 x 128 block), exactly the
 layout of transformers' fine-grained FP8 method. transformers silently ignores an unknown `quant_method` and would

@@ -579,7 +579,7 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
 
     config_class = FishDACConfig
     base_model_prefix = ""
-    main_input_name = "input_values"  # as transformers' audio tokenizers name raw audio
+    main_input_name = "audio"  # what `encode` takes
     _no_split_modules = ["FishDACCodec"]  # decoding runs through methods and lookup tables, not one `forward`
     # The codec's attention is its own: causal attention inside a window of frames, computed block by block with
     # torch's scaled_dot_product_attention (`WindowedAttention`) whatever `attn_implementation` says. It accepts every

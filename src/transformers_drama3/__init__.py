@@ -30,6 +30,7 @@ def _register() -> None:
     AutoConfig.register(Drama3TowerConfig.model_type, Drama3TowerConfig, exist_ok=True)
     AutoConfig.register(FishDACConfig.model_type, FishDACConfig, exist_ok=True)
     AutoModel.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
+    AutoModel.register(FishDACConfig, FishDACCodec, exist_ok=True)
     AutoModelForTextToWaveform.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
     AutoProcessor.register(FishOmniConfig, Drama3Processor, exist_ok=True)
 

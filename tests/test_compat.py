@@ -140,3 +140,18 @@ def test_expert_parallel_arguments_build_a_distributed_config():
         warnings.simplefilter("error", FutureWarning)
         config = DistributedConfig(tp_size=2, tp_plan="auto", **compat.expert_parallel_arguments(2))
     assert config.enable_expert_parallel is True and getattr(config, "ep_size", 2) == 2
+
+
+def test_generation_defaults_are_transformers_global_defaults():
+    """A pipeline that fills transformers' global defaults into a generation config sets nothing: `generate` takes
+    such a config (top_k 50 and num_beams 1 among them) without changing Drama 3's settings."""
+    from transformers import GenerationConfig
+
+    from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+
+    defaults = compat.generation_defaults()
+    assert defaults["top_k"] == 50 and defaults["num_beams"] == 1
+    filled = GenerationConfig(**DRAMA3_GENERATION_DEFAULTS)
+    filled.update(**defaults, defaults_only=True)  # what the text-to-audio pipeline of transformers 5.17 does
+    settings = generation_settings(GenerationConfig(**DRAMA3_GENERATION_DEFAULTS), filled)
+    assert settings.top_k == 0 and settings.top_p == 0.9 and settings.do_sample is True

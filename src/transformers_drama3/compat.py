@@ -153,6 +153,17 @@ def checkpointing_training_arguments(enabled: bool = True) -> dict[str, bool]:
 
 
 @functools.cache
+def generation_defaults() -> dict[str, Any]:
+    """transformers' global generation defaults (`top_k=50`, `num_beams=1`, ...), which some versions fill into
+    every unset field of a generation config (the text-to-audio pipeline of 5.17 does): a value equal to its default
+    there was not chosen by the user. Read through `GenerationConfig._get_default_generation_params` (5.17 to 5.24);
+    an empty dict where that is gone (then every value counts as chosen)."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig(), "_get_default_generation_params", None)
+    return defaults() if defaults is not None else {}
+
+
 def expert_parallel_by_size() -> bool:
     """Whether `DistributedConfig` takes the number of expert-parallel ranks (`ep_size`, newer versions); transformers
     5.17 turns expert parallelism on with `enable_expert_parallel=True` instead (`ep_size` is a TypeError there)."""
@@ -168,6 +179,7 @@ def expert_parallel_arguments(size: int) -> dict[str, Any]:
 
 __all__ = [
     "activation_checkpointing_names",
+    "generation_defaults",
     "backbone_cache_argument",
     "cast_dequantised_weights",
     "checkpointing_training_arguments",

@@ -23,6 +23,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput, logging
 
+from . import compat
 from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
 from .frame_step import FrameState, attention_window, row_limit
@@ -37,7 +38,7 @@ DRAMA3_GENERATION_DEFAULTS = {
     "max_new_tokens": 2048,  # frames: 2048 frames = 95 s of audio
     "temperature": 1.0,  # main token
     "top_p": 0.9,
-    "top_k": None,  # no top-k for the main token: a cap of 30 makes reference-free takes fall silent
+    "top_k": 0,  # 0 (or None): no top-k for the main token; a cap of 30 makes reference-free takes fall silent
     "ras_window": 16,
     "ras_temperature": 1.0,
     "ras_top_k": 30,
@@ -110,8 +111,8 @@ def check_settings(values: dict) -> None:
         if not _is_number(values[name]) or not 0 < values[name] <= 1:
             raise ValueError(f"{name} must be a number in (0, 1], got {values[name]!r}")
     for name in ("top_k", "ras_top_k", "codebook_top_k"):
-        if values[name] is not None and (not _is_int(values[name]) or values[name] < 1):
-            raise ValueError(f"{name} must be an integer >= 1 (or None for no limit), got {values[name]!r}")
+        if values[name] is not None and (not _is_int(values[name]) or values[name] < 0):
+            raise ValueError(f"{name} must be an integer >= 1 (0 or None for no limit), got {values[name]!r}")
 
 
 def generation_settings(
@@ -129,7 +130,10 @@ def generation_settings(
         if getattr(settings, key, None) is None:
             setattr(settings, key, value)
     if generation_config is not None:
-        given = generation_config.to_diff_dict()
+        # transformers' own defaults filled in (pipelines of some versions do it) set nothing.
+        neutral = compat.generation_defaults()
+        given = {key: value for key, value in generation_config.to_diff_dict().items()
+                 if key in DRAMA3_GENERATION_DEFAULTS or (value is not None and value != neutral.get(key))}
         unsupported = sorted(set(given) - set(DRAMA3_GENERATION_DEFAULTS) - set(_IGNORED_SETTINGS))
         if unsupported:
             raise ValueError(

@@ -6,8 +6,6 @@ import asyncio
 import base64
 import io
 import json
-import socket
-import threading
 import time
 
 import httpx
@@ -16,12 +14,11 @@ import openai
 import pytest
 import soundfile
 import torch
-import uvicorn
 
 from transformers_drama3 import cli
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
-from transformers_drama3.serving.app import create_app
+from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.serving.audio_encoding import PCM_SCALE
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
@@ -38,39 +35,6 @@ MAX_TEXT_CHARS, MAX_BODY_BYTES, MAX_FRAMES, MAX_REFERENCE_SECONDS, CHUNK_BYTES =
 STREAMED_VS_ONE_SHOT_LSB = 2
 
 
-class RunningServer:
-    """uvicorn serving `create_app(settings)` in a thread, on a free port of 127.0.0.1."""
-
-    def __init__(self, settings: ServerSettings):
-        self.app = create_app(settings)
-        self.socket = socket.socket()
-        self.socket.bind(("127.0.0.1", 0))
-        self.url = "http://127.0.0.1:%d" % self.socket.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True)
-        self.thread.start()
-
-    def wait_until(self, status: int) -> None:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == status:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"/health did not answer {status} within {TIMEOUT} s")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.socket.close()
-
-    @property
-    def service(self):
-        return self.app.state.service
-
-
 @pytest.fixture(scope="module")
 def voices_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("voices")
@@ -78,14 +42,13 @@ def voices_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(voices_dir):
-    running = RunningServer(ServerSettings(
+    settings = ServerSettings(
         model=str(GOLDEN_TINY), model_name=MODEL, voices_dir=voices_dir, api_key=KEY, max_batch=16,
         batch_window_ms=100, max_text_chars=MAX_TEXT_CHARS, max_body_bytes=MAX_BODY_BYTES, max_frames=MAX_FRAMES,
         max_reference_seconds=MAX_REFERENCE_SECONDS, chunk_bytes=CHUNK_BYTES,
-    ))
-    running.wait_until(200)
-    yield running
-    running.stop()
+    )
+    with ServerThread(settings).wait_until_ready(TIMEOUT) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
@@ -391,12 +354,10 @@ def test_full_queue_is_429(server, http, monkeypatch):
 
 
 def test_a_model_that_cannot_load_is_503(tmp_path):
-    running = RunningServer(ServerSettings(model=str(tmp_path / "missing")))
+    running = ServerThread(ServerSettings(model=str(tmp_path / "missing")))
     try:
-        running.wait_until(503)
-        deadline = time.monotonic() + TIMEOUT
-        while running.app.state.load_error is None and time.monotonic() < deadline:
-            time.sleep(0.05)
+        with pytest.raises(RuntimeError, match="failed to load"):
+            running.wait_until_ready(TIMEOUT)
         response = httpx.post(f"{running.url}/v1/audio/speech", json={"model": "missing", "input": "Hi."},
                               timeout=TIMEOUT)
         assert response.status_code == 503 and response.json()["error"]["code"] == "model_unavailable"

@@ -146,7 +146,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if path.exists():
             raise APIError(409, f"a voice called {name!r} already exists; choose another name", "name", "voice_exists")
         checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
-        samples, rate = read_audio_bytes(await upload.read(), "audio", settings.max_reference_seconds)
+        data = await upload.read()
+        samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
 
         def encode():
             return service.processor.create_voice(transcript, samples, rate, codec=service.model.codec, name=name)
@@ -162,15 +163,14 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         service = app.state.service
         if service is None:
             return {"ready": False}
-        worker = service.worker
-        return {"ready": True, "queued": len(worker.pending), "running": len(worker.running),
-                **worker.metrics.as_dict()}
+        return {"ready": True, **service.worker.snapshot()}
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechRequest, request: Request) -> Response:
         service = ready()
         spec = check_response_format(body.response_format, body.stream_format)
-        job = make_job(body, service, settings, voices)
+        # Off the event loop: reading reference audio can take a moment, and other responses are streaming.
+        job = await asyncio.to_thread(make_job, body, service, settings, voices, asyncio.get_running_loop())
         service.worker.submit(job)
         headers = {"X-Request-Id": job.request_id, "X-Seed": str(job.seed),
                    "X-Sample-Rate": str(service.model.config.sampling_rate)}
@@ -179,8 +179,9 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     return app
 
 
-def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettings, voices: VoiceLibrary) -> SpeechJob:
-    """A checked `SpeechJob` for a request, or the APIError that says what is wrong with it."""
+def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettings, voices: VoiceLibrary,
+             loop: asyncio.AbstractEventLoop) -> SpeechJob:
+    """A checked `SpeechJob` for a request (its events go to `loop`), or the APIError that says what is wrong."""
     if body.model not in (settings.model_name, settings.model, *OPENAI_SPEECH_MODELS):
         raise APIError(404, f"the model {body.model!r} does not exist; this server speaks with "
                        f"{settings.model_name!r} (GET /v1/models)", "model", "model_not_found")
@@ -209,7 +210,7 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     return SpeechJob(request_id=f"speech-{uuid.uuid4().hex[:16]}", texts=texts, references=references,
                      sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, text_length=len(body.input),
-                     loop=asyncio.get_running_loop())
+                     loop=loop)
 
 
 def sampling_settings(body: SpeechRequest, service: SpeechService, settings: ServerSettings) -> tuple[dict, int]:

@@ -225,6 +225,10 @@ class GenerationWorker:
             self.running = batch
             try:
                 await loop.run_in_executor(self.executor, self.run_batch, batch)
+            except Exception as error:  # noqa: BLE001  (a bug here must not stop the worker: fail the batch)
+                logger.exception("the worker failed on requests %s", [job.request_id for job in batch])
+                for job in batch:
+                    self.finish(job, failure(error, "the server failed"))
             finally:
                 self.running = []
             for job in reversed(batch):  # requests with text left go first, in their order
@@ -243,6 +247,11 @@ class GenerationWorker:
         for job in batch:
             self.pending.remove(job)
         return batch
+
+    def snapshot(self) -> dict:
+        """Counters and the current queue, for `GET /metrics`."""
+        with self.lock:
+            return {"queued": len(self.pending), "running": len(self.running), **self.metrics.as_dict()}
 
     def shutdown(self) -> None:
         for job in list(self.pending) + self.running:

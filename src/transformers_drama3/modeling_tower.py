@@ -343,7 +343,8 @@ class Drama3TowerLayer(nn.Module):
 class Drama3TowerOutput(ModelOutput):
     """Teacher-forced tower output.
 
-    logits: `[B, T, NCB-1, V]`, `[b, t, j]` = head `j` (predicts codebook `j+1` of the label frame of row `t`).
+    logits: `[B, T, NCB-1, V]` (`T` = the kept rows), `[b, t, j]` = head `j` (predicts codebook `j+1` of the label
+        frame of row `t`).
     shared_hidden: `[B, T, D]`, output of the last shared layer.
     cache: the `Drama3TowerCache` passed in, now holding these rows too (None when none was passed). Named
         `cache`, not `past_key_values`: transformers 5.24 renames that `ModelOutput` field to `cache` (and
@@ -451,11 +452,12 @@ class Drama3CodebookTower(nn.Module):
             hidden = layer(hidden, c0, is_audio, extra if index == 0 else None, rope, mask, cache, index)
         return hidden
 
-    def _run_residual(self, j, hidden, code, is_audio, rope, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual layer `j` consuming `code` `[B, T]`; returns its output and head `j`'s logits `[B, T, V]`."""
+    def _run_residual(self, j, hidden, code, is_audio, rope, mask, cache, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual layer `j` consuming `code` `[B, T]`; returns its output and head `j`'s logits `[B, T, V]` (of the
+        last `keep` rows only when `keep` > 0)."""
         index = len(self.shared_layers) + j
         hidden = self.residual_layers[j](hidden, code, is_audio, None, rope, mask, cache, index)
-        return hidden, self.heads[j](hidden)
+        return hidden, self.heads[j](hidden[:, hidden.shape[1] - keep :] if keep else hidden)
 
     def forward(
         self,
@@ -465,8 +467,10 @@ class Drama3CodebookTower(nn.Module):
         position_ids: torch.Tensor | None = None,  # [B, T] backbone positions of rows t
         attention_mask: torch.Tensor | None = None,  # [B, past + T], 1 = real row, 0 = left padding
         cache: Drama3TowerCache | None = None,
+        logits_to_keep: int = 0,
     ) -> Drama3TowerOutput:
-        """Teacher forcing / prefill: head logits of every codebook 1..NCB-1 of every label frame.
+        """Teacher forcing / prefill: head logits of every codebook 1..NCB-1 of every label frame (of the last
+        `logits_to_keep` label frames when it is > 0: every layer still runs on every row, for the cache).
 
         With a cache, each layer attends over its cached rows plus the new ones (causally) and stores the new
         rows; without one, over the new rows only. Default positions: `past..past+T-1` for every sequence.
@@ -494,7 +498,7 @@ class Drama3CodebookTower(nn.Module):
         shared_hidden = hidden
         logits = []
         for j in range(self.num_codebooks - 1):
-            hidden, head_logits = self._run_residual(j, hidden, codes[..., j], is_audio, rope, mask, cache)
+            hidden, head_logits = self._run_residual(j, hidden, codes[..., j], is_audio, rope, mask, cache, logits_to_keep)
             logits.append(head_logits)
         return Drama3TowerOutput(logits=torch.stack(logits, dim=2), shared_hidden=shared_hidden, cache=cache)
 
@@ -536,7 +540,7 @@ class Drama3CodebookTower(nn.Module):
         sample_codebook: CodebookSampler,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_frame` with the rotary angles and the mask given: any transformers `Cache` with one layer per
-        tower layer works, e.g. preallocated `StaticLayer`s whose every slot is a key (the fast decode path)."""
+        tower layer works, e.g. the frame step's preallocated static layers (frame_step.py)."""
         is_audio = self.is_audio(main_token)[:, None]  # [B, 1]
         code = (main_token - self.semantic_start_token_id).clamp(0, self.vocab_size - 1)  # [B]
         extra = self.input_extra(input_frame[:, None])  # [B, 1, D]

@@ -208,19 +208,21 @@ def test_long_text_is_spoken_in_chunks_like_synthesize(http, reference):
 
 
 def test_a_client_that_disconnects_is_dropped_and_does_not_stall_others(server, http):
+    """The leaving request (greedy: the tiny model does not stop by itself within MAX_FRAMES frames) is stopped
+    soon after its client goes, and a request sent meanwhile completes."""
     metrics = server.service.worker.metrics
-    cancelled = metrics.cancelled
+    cancelled, frames = metrics.cancelled, metrics.frames
     body = {"model": MODEL, "input": "Hello there.", "temperature": 0, "max_new_tokens": MAX_FRAMES,
             "response_format": "pcm"}
     with http.stream("POST", "/v1/audio/speech", json=body) as leaving:
         next(leaving.iter_raw())  # the first audio arrived: it is generating
     other = speech(http, input="Another request.", temperature=0, max_new_tokens=4, response_format="pcm")
-    assert other.status_code == 200
+    assert other.status_code == 200 and len(other.content) > 0
     deadline = time.monotonic() + TIMEOUT
     while metrics.cancelled == cancelled and time.monotonic() < deadline:
         time.sleep(0.05)
     assert metrics.cancelled == cancelled + 1
-    assert metrics.frames < 10_000  # the leaving request was stopped, not run to its limit
+    assert metrics.frames - frames < MAX_FRAMES  # the leaving request did not run to its limit
 
 
 def test_a_failing_request_does_not_stop_the_worker(server, http, monkeypatch):

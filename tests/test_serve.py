@@ -19,7 +19,6 @@ from transformers_drama3 import cli
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.thread import ServerThread
-from transformers_drama3.serving.audio_encoding import PCM_SCALE
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
@@ -31,7 +30,8 @@ MODEL = "drama3-tiny"
 TIMEOUT = 120  # seconds any one HTTP exchange may take before the test fails
 MAX_TEXT_CHARS, MAX_BODY_BYTES, MAX_FRAMES, MAX_REFERENCE_SECONDS, CHUNK_BYTES = 400, 400_000, 200, 2.0, 40
 # Streamed decoding differs from one decode of all frames by at most 5e-5 in float32 (tests/test_codec.py,
-# test_streaming_matches_one_shot_float32): 1.6 steps of 1/32767, so the rounded 16-bit samples differ by <= 2.
+# test_streaming_matches_one_shot_float32): 1.64 steps of libsndfile's 1/32768, so rounded 16-bit samples differ by
+# at most 2.
 STREAMED_VS_ONE_SHOT_LSB = 2
 
 
@@ -64,7 +64,10 @@ def reference():
 
 
 def pcm16(audio: torch.Tensor) -> np.ndarray:
-    return np.round(np.clip(audio.numpy(), -1, 1) * PCM_SCALE).astype(np.int16)
+    """16-bit samples of float audio as libsndfile writes them, as in every audio file the package writes."""
+    buffer = io.BytesIO()
+    soundfile.write(buffer, np.clip(audio.numpy(), -1, 1), 44100, format="RAW", subtype="PCM_16", endian="LITTLE")
+    return np.frombuffer(buffer.getvalue(), dtype="<i2")
 
 
 def generated(reference, text: str, **settings) -> tuple[torch.Tensor, np.ndarray]:

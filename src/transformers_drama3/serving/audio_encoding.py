@@ -21,7 +21,7 @@ import torch
 from ..audio_io import resample_audio, soundfile
 from .errors import APIError
 
-PCM_SCALE = 32767  # float sample 1.0 -> int16 32767 (clipped to [-1, 1] first)
+RAW_RATE = 44100  # headerless PCM records no rate: any value gives the same bytes
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when the header is sent
 
 
@@ -70,9 +70,12 @@ def check_response_format(name: str, stream_format: str) -> ResponseFormat:
 
 
 def pcm16(chunk: torch.Tensor) -> bytes:
-    """Float audio `[samples]` -> 16-bit little-endian PCM bytes (clipped to [-1, 1], rounded to nearest)."""
-    samples = chunk.detach().to(device="cpu", dtype=torch.float32).numpy()
-    return np.round(np.clip(samples, -1.0, 1.0) * PCM_SCALE).astype("<i2").tobytes()
+    """Float audio `[samples]` -> 16-bit little-endian PCM bytes, converted by libsndfile (clipped to [-1, 1]) as
+    every other file the package writes, so a streamed WAV has the samples of `processor.save_audio`'s WAV."""
+    samples = np.clip(chunk.detach().to(device="cpu", dtype=torch.float32).numpy(), -1.0, 1.0)
+    buffer = io.BytesIO()
+    soundfile().write(buffer, samples, RAW_RATE, format="RAW", subtype="PCM_16", endian="LITTLE")
+    return buffer.getvalue()
 
 
 def streamed_wav_header(sampling_rate: int) -> bytes:

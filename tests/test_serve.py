@@ -6,6 +6,11 @@ import asyncio
 import base64
 import io
 import json
+import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 
 import httpx
@@ -18,6 +23,7 @@ import torch
 from transformers_drama3 import cli
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving import cli as serving_cli
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
@@ -375,3 +381,45 @@ def test_models_and_metrics(http):
     assert [model["id"] for model in http.get("/v1/models").json()["data"]] == [MODEL]
     metrics = http.get("/metrics").json()
     assert metrics["ready"] is True and metrics["completed"] >= 0
+
+
+# -- the command line --------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_drama3_serve_command(tmp_path):
+    """`drama3-serve --tiny` as a user starts it: ready, speaks, logs each request without its text, stops."""
+    port = free_port()
+    log = tmp_path / "server.log"
+    with open(log, "w") as output:
+        process = subprocess.Popen([sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
+                                    "--max-frames", "8"], stdout=output, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + TIMEOUT
+            while time.monotonic() < deadline and process.poll() is None:
+                try:
+                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    time.sleep(0.2)
+            response = httpx.post(f"{url}/v1/audio/speech", json={"model": "drama3-tiny", "input": "A secret sentence.",
+                                                                  "response_format": "wav", "seed": 0}, timeout=TIMEOUT)
+            assert response.status_code == 200 and response.content[:4] == b"RIFF"
+        finally:
+            process.send_signal(signal.SIGINT)
+            process.wait(timeout=TIMEOUT)
+    text = log.read_text()
+    assert process.returncode == 130, text  # stopped by Ctrl+C, after a graceful shutdown
+    assert re.search(r"request speech-\w+ done, finish \w+: \d+ frames .* first audio after \d+ ms", text), text
+    assert "secret" not in text
+
+
+def test_drama3_serve_exits_when_the_model_cannot_load(tmp_path, capsys):
+    assert serving_cli.main(["--model", str(tmp_path / "none"), "--port", str(free_port())]) == 1
+    assert "cannot load" in capsys.readouterr().err

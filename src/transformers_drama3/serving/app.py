@@ -97,9 +97,12 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     async def lifespan(app: FastAPI):
         task = asyncio.create_task(load_and_serve())
         yield
+        service = app.state.service
+        if service is not None:
+            service.worker.cancel_all()
         task.cancel()
-        if app.state.service is not None:
-            await asyncio.to_thread(app.state.service.worker.shutdown)
+        if service is not None:
+            await asyncio.to_thread(service.worker.shutdown)
 
     app = FastAPI(title="Drama 3 speech server", lifespan=lifespan)
     install_error_handlers(app, settings.max_body_bytes)

@@ -4,7 +4,8 @@
     drama3-serve --model fishaudio/drama-3 --host 0.0.0.0 --port 8000 --voices voices/ --max-batch 16
 
 The server starts at once and loads the model in the background (`GET /health` is 503 until it is ready); if the
-model cannot be loaded the process exits with status 1. docs/serving.md describes the API.
+model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts).
+docs/serving.md describes the API.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..cli import INTERRUPTED
 from ..testing import default_tiny_checkpoint
 from .settings import ServerSettings
 
@@ -112,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drama3-serve: error: {error}", file=sys.stderr)
         return 1
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
-    server.run()
-    return 1 if failed or not server.started else 0
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl+C
+        return INTERRUPTED
+    if failed:
+        print(f"drama3-serve: error: cannot load {settings.model!r}: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
 
 
 if __name__ == "__main__":

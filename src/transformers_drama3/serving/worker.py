@@ -253,9 +253,13 @@ class GenerationWorker:
         with self.lock:
             return {"queued": len(self.pending), "running": len(self.running), **self.metrics.as_dict()}
 
-    def shutdown(self) -> None:
-        for job in list(self.pending) + self.running:
+    def cancel_all(self) -> None:
+        """Stop every request: waiting ones are dropped, the running batch ends at its next frame (event loop)."""
+        for job in [*self.pending, *self.running]:
             job.cancel()
+
+    def shutdown(self) -> None:
+        """Wait for the generation thread to finish its batch (call `cancel_all` first to make that quick)."""
         self.executor.shutdown(wait=True, cancel_futures=True)
 
     # -- generation (the generation thread) ------------------------------------------------------------------

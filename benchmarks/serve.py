@@ -145,7 +145,8 @@ def main() -> int:
                                          max_batch=args.max_batch, max_frames=max(args.frames, 1))).wait_until_ready()
     started = datetime.now(timezone.utc)
     try:
-        one_request_warmup = asyncio.run(run_clients(server.url, 1, 1, 2))  # first-call costs out of the figures
+        # First-call costs (buffers sized for the request's frames, lazy initialisation) out of the figures.
+        one_request_warmup = asyncio.run(run_clients(server.url, 1, 1, args.frames))
         rows = [measure(server, int(c), args.requests_per_client, args.frames) for c in args.concurrency.split(",")]
     finally:
         server.stop()
@@ -156,7 +157,8 @@ def main() -> int:
         "load_average": os.getloadavg(), "torch": torch.__version__, "started_utc": started.isoformat(),
         "finished_utc": datetime.now(timezone.utc).isoformat(), "warmup_s": one_request_warmup[1], "rows": rows,
     }
-    print(f"{result['checkpoint']} on {result['device']}, {args.frames} frames per request, threads {result['threads']}")
+    print(f"{result['checkpoint']} on {result['device']}, {args.frames} frames per request, "
+          f"threads {result['threads']}")
     print("clients | audio s / wall s | one at a time | ratio | first audio p50 / p90 | batch sizes")
     for row in rows:
         print(f"{row['clients']:>7} | {row['throughput']:>16.3f} | {row['one_at_a_time_throughput']:>13.3f} | "

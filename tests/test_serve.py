@@ -397,8 +397,8 @@ def test_drama3_serve_command(tmp_path):
     port = free_port()
     log = tmp_path / "server.log"
     with open(log, "w") as output:
-        process = subprocess.Popen([sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
-                                    "--max-frames", "8"], stdout=output, stderr=subprocess.STDOUT)
+        command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port), "--max-frames", "8"]
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT

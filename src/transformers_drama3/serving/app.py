@@ -136,6 +136,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     @app.post("/v1/voices", status_code=201)
     async def enrol_voice(request: Request) -> JSONResponse:
         service = ready()
+        if voices.directory is None:
+            raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
         form = await request.form()
         name, transcript, upload = form.get("name"), form.get("transcript"), form.get("audio")
         for field, value in (("name", name), ("transcript", transcript)):

@@ -53,7 +53,8 @@ class VoiceLibrary:
         try:
             return Drama3Voice.load(path)
         except (OSError, ValueError) as error:
-            raise APIError(500, f"the saved voice {name!r} cannot be read: {error}", "voice", "voice_unreadable") from error
+            raise APIError(500, f"the saved voice {name!r} cannot be read: {error}", "voice",
+                           "voice_unreadable") from error
 
     def save(self, name: str, voice: Drama3Voice) -> None:
         """Store `voice` as `name`; 409 if that name is taken."""

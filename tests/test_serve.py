@@ -193,6 +193,28 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_audio(server, ref
         assert_close_pcm(np.frombuffer(response.content, dtype="<i2"), expected)
 
 
+def test_a_response_ends_when_its_own_sequence_ends(server):
+    """A 3-frame request batched with a long one gets its whole response while the long one is still generating."""
+    long_body = {"model": MODEL, "input": "Hello there.", "temperature": 0, "max_new_tokens": MAX_FRAMES,
+                 "response_format": "pcm"}
+    short_body = {"model": MODEL, "input": "Short one.", "temperature": 0, "max_new_tokens": 3,
+                  "response_format": "pcm"}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=TIMEOUT) as client:
+            long_task = asyncio.create_task(client.send(client.build_request("POST", "/v1/audio/speech",
+                                                                            json=long_body), stream=True))
+            short = await client.post("/v1/audio/speech", json=short_body)
+            running = [job.request_id for job in server.service.worker.running]
+            long = await long_task
+            await long.aclose()  # leave: the long request is stopped
+            return short, long.headers["x-request-id"], running
+
+    short, long_id, running = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
+    assert short.status_code == 200 and len(short.content) == 3 * 2048 * 2
+    assert {long_id, short.headers["x-request-id"]} <= set(running)  # one batch, still running
+
+
 def test_seeded_sampling_inside_a_batch_equals_alone(server):
     async def send(seeds):
         async with httpx.AsyncClient(base_url=server.url, headers=AUTH, timeout=TIMEOUT) as client:

@@ -2,9 +2,9 @@
 
 `SpeechRequest` is OpenAI's `POST /v1/audio/speech` body (`model`, `input`, `voice`, `response_format`, `speed`,
 `stream_format`, `instructions`) plus the fields of the official Drama 3 server's request: `references`, `seed`,
-`temperature`, `top_p`, `top_k`, `max_new_tokens`. Types are checked here; ranges and the rules between fields are
-checked by the server with the package's own validation (`generation_settings`, the processor's text checks), so
-they read the same as in Python. Unknown fields are refused, so a misspelt setting is never silently ignored.
+`temperature`, `top_p`, `top_k`, `max_new_tokens`. Types (and the seed's range) are checked here; the other ranges
+and the rules between fields are checked by the server with the package's own validation (`generation_settings`, the
+processor's text checks), so they read the same as in Python. Unknown fields are refused, so a misspelt setting is never silently ignored.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ back, and one at a time. Reported per concurrency: audio seconds per wall second
 the ratio of throughputs concurrent / one at a time (the gain from batching, measured side by side in one run).
 
 Checkpoints: `tiny` (the embedded tiny checkpoint: golden tiny geometry), `small` (the `small` backbone and tower
-geometry of benchmarks/frame_step.py, hidden 512 with 8 layers and 16 experts, written as a checkpoint with the tiny
-codec), or `--checkpoint DIR` (any checkpoint, e.g. on a GPU machine).
+of benchmarks/configs.py, hidden 512 with 8 layers and 16 experts, written as a checkpoint with the tiny codec and
+tokenizer), or `--checkpoint DIR` (any checkpoint, e.g. on a GPU machine).
 
     python benchmarks/serve.py --config tiny --output serve-tiny.json
     python benchmarks/serve.py --config small --frames 24 --output serve-small.json
@@ -33,24 +33,12 @@ from datetime import datetime, timezone
 import httpx
 import torch
 
+from configs import SMALL_CONFIG
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.testing import default_tiny_checkpoint, write_tiny_checkpoint
 
 SAMPLE_BYTES = 2  # 16-bit PCM
-# The `small` backbone and tower of benchmarks/frame_step.py (kept here so this script does not depend on that one),
-# over the tiny checkpoint's codec and tokenizer.
-SMALL_CONFIG = {
-    "text_config": {
-        "vocab_size": 8448, "hidden_size": 512, "num_hidden_layers": 8,
-        "layer_types": ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-        "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64, "linear_num_key_heads": 4,
-        "linear_key_head_dim": 64, "linear_num_value_heads": 8, "linear_value_head_dim": 64, "num_experts": 16,
-        "num_experts_per_tok": 4, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256,
-    },
-    "audio_decoder_config": {"dim": 512, "text_dim": 512, "n_head": 8, "n_local_heads": 2, "head_dim": 64,
-                             "intermediate_size": 1536},
-}
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Did you hear that?", "Good morning, everyone.",
          "Thanks for waiting, we can start now.", "She whispered softly, then laughed out loud!",
          "Numbers: one, two, three.", "This is my voice, recorded on a quiet afternoon.", "Nice to meet you."]

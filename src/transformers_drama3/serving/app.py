@@ -70,8 +70,9 @@ class SpeechService:
         model = load_model(settings.model, device, dtype)
         processor = Drama3Processor.from_pretrained(settings.model)
         processor.max_reference_seconds = settings.max_reference_seconds
+        step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
         worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
-                                  fast_decode=settings.fast_decode, log_text=settings.log_text)
+                                  step_options=step_options, log_text=settings.log_text)
         return cls(model, processor, worker)
 
 

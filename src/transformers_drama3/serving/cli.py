@@ -52,7 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=DEFAULTS.dtype,
                      help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU)")
     run.add_argument("--fast-decode", action="store_true",
-                     help="generate on the fast decode path (preallocated state, CUDA graphs on a GPU)")
+                     help="replay the frame step as a CUDA graph on a GPU (docs/usage.md)")
+    run.add_argument("--compile-step", nargs="?", const=True, default=False, metavar="BACKEND",
+                     help="torch.compile the frame step first (inductor, or the named backend; compiles on the first "
+                     "request of each batch size)")
 
     limits = parser.add_argument_group("batching and limits")
     limits.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, max_text_chars=args.max_text_chars,
             max_reference_seconds=args.max_reference_seconds, max_body_bytes=args.max_body_bytes,
             max_frames=args.max_frames, chunk_bytes=args.chunk_bytes, fast_decode=args.fast_decode,
-            log_text=args.log_text,
+            compile_step=args.compile_step, log_text=args.log_text,
         )
         failed = []
 

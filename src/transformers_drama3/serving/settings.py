@@ -20,8 +20,9 @@ class ServerSettings:
     max_reference_seconds: longest reference or enrolled voice audio. max_body_bytes: largest request body
     (JSON with base64 references, or a voice upload; 413 beyond). max_frames: the most frames (21.5 per second)
     a request may ask for per text chunk, also the default. chunk_bytes: long `input` is spoken in chunks of at
-    most this many UTF-8 bytes. fast_decode: run generation on the fast decode path. log_text: put the text of each
-    request in the log (off: only its length).
+    most this many UTF-8 bytes. fast_decode / compile_step: how `generate` runs its frame step (a CUDA graph per frame
+    on CUDA / `torch.compile` first, True or a backend name; docs/usage.md). log_text: put the text of each request in
+    the log (off: only its length).
     """
 
     model: str = "fishaudio/drama-3"
@@ -39,6 +40,7 @@ class ServerSettings:
     max_frames: int = 2048
     chunk_bytes: int = 300
     fast_decode: bool = False
+    compile_step: bool | str = False
     log_text: bool = False
 
     def __post_init__(self):

@@ -183,10 +183,11 @@ class GenerationWorker:
     """Runs queued `SpeechJob`s through `model.generate`, batching those with equal sampling settings."""
 
     def __init__(self, model, processor, max_batch: int, max_queue: int, batch_window_ms: float,
-                 fast_decode: bool = False, log_text: bool = False):
+                 step_options: dict | None = None, log_text: bool = False):
         self.model, self.processor = model, processor
         self.max_batch, self.max_queue, self.batch_window = max_batch, max_queue, batch_window_ms / 1000
-        self.fast_decode, self.log_text = fast_decode, log_text
+        self.step_options = step_options or {}  # how generate runs its frame step: fast_decode, compile_step
+        self.log_text = log_text
         self.pending: deque[SpeechJob] = deque()
         self.running: list[SpeechJob] = []
         self.metrics = WorkerMetrics()
@@ -288,7 +289,7 @@ class GenerationWorker:
                 generator=[job.generator for job in jobs],
                 stopping_criteria=StoppingCriteriaList([RequestStops(jobs, prompt_rows)]),
                 max_new_tokens=max(job.max_new_tokens for job in jobs),
-                fast_decode=self.fast_decode, output_audio=False, **jobs[0].sampling,
+                output_audio=False, **self.step_options, **jobs[0].sampling,
             )
         except Exception as error:  # noqa: BLE001  (every request of the batch fails; the worker goes on)
             logger.exception("generation failed for requests %s", [job.request_id for job in jobs])

@@ -161,13 +161,13 @@ def check_writable(path: Path) -> None:
         raise PermissionError(f"cannot write {str(path)!r}: the directory {str(parent)!r} is not writable")
 
 
-def _resolve_device_and_dtype(args: argparse.Namespace):
-    device = args.device
+def resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, torch.dtype]:
+    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype): under torchrun this rank's GPU,
+    else cuda if available, else the CPU; bfloat16 on an accelerator, float32 on the CPU."""
     if device == "auto" and parallel.launched_with_torchrun():
         device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
     elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
     return device, getattr(torch, dtype)
@@ -227,7 +227,7 @@ def _transformers_quiet(quiet: bool):
 
 def _run(args: argparse.Namespace) -> int:
     path = args.model or default_tiny_checkpoint()
-    device, dtype = _resolve_device_and_dtype(args)
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     if args.summary:
         model = _load(args, path, device, dtype)
         if parallel.is_main_process():

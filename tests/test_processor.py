@@ -625,11 +625,10 @@ def test_save_audio_is_atomic(processor, tmp_path, monkeypatch):
     target = tmp_path / "speech.wav"
     target.write_bytes(b"previous complete file")
 
-    def failing_write(file, *args, **kwargs):
-        file.write(b"RIFF half a header")
+    def failing_write(sound, samples):  # the header is already in the file when the samples fail
         raise OSError("disk full")
 
-    monkeypatch.setattr(soundfile, "write", failing_write)
+    monkeypatch.setattr(soundfile.SoundFile, "write", failing_write)
     with pytest.raises(OSError, match="disk full"):
         processor.save_audio(np.zeros(100), target)
     with pytest.raises(OSError, match="disk full"):

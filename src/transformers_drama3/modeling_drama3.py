@@ -21,6 +21,7 @@ from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 from transformers.utils import ModelOutput
 
+from .checkpoint_location import checkpoint_directory
 from .checkpoint_mapping import (
     CODEC_PREFIX,
     Drama3CheckpointError,
@@ -358,9 +359,11 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         `device_placement`); `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit dense linears (tower,
         lm_head and codec stay in full precision unless `llm_int8_skip_modules` says otherwise; the FP8 experts are
         dequantised). The codec is loaded from `codec.pth` in float32 whatever `dtype` is; `model.codec.to(...)`
-        changes that. See docs/hardware.md.
+        changes that. Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32
+        (`default_dtype`), elsewhere in the checkpoint's bfloat16. See docs/hardware.md.
         """
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
+        default_dtype(kwargs)
         config = kwargs.pop("config", None)
         if config is None:
             config = FishOmniConfig.from_pretrained(directory)
@@ -473,13 +476,22 @@ def load_codec_weights(codec: FishDACCodec, state_dict: dict[str, torch.Tensor])
 
 def _local_checkpoint_directory(name_or_path: str | os.PathLike, kwargs: dict) -> str:
     """A local directory holding the whole checkpoint; Hub repository ids are downloaded first."""
-    name_or_path = str(name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from huggingface_hub import snapshot_download
-
     hub_kwargs = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
-    return snapshot_download(name_or_path, **hub_kwargs)
+    return checkpoint_directory(name_or_path, **hub_kwargs)
+
+
+def default_dtype(kwargs: dict) -> None:
+    """Without a `dtype` (or with `"auto"`) on a machine with no GPU, load in float32 instead of the checkpoint's
+    bfloat16: most CPUs compute bfloat16 slowly, and its rounding makes a greedy batch differ from greedy single
+    runs. With a GPU (even when loading to the CPU first, to move the model later) the checkpoint's dtype stays.
+    docs/usage.md#loading."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype not in (None, "auto") or torch.cuda.is_available() or torch.xpu.is_available():
+        return
+    if torch.backends.mps.is_available():
+        return
+    kwargs.pop("torch_dtype", None)
+    kwargs["dtype"] = torch.float32
 
 
 __all__ = ["Drama3SpeechOutput", "FishOmniForSpeech", "FishOmniPreTrainedModel"]

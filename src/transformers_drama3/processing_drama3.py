@@ -554,6 +554,20 @@ class Drama3Processor(ProcessorMixin):
         return write_audio(path, audio, self.sampling_rate if sampling_rate is None else sampling_rate)
 
 
+def left_pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of frame rows padded on either side with any pad values -> the processor's layout: each sequence's
+    rows at the end, all-zero pad rows in front (`input_ids [B, T, 1 + K]`, `attention_mask [B, T]`).
+
+    transformers' pipeline collator pads a batch on its tokenizer's side and fills pad rows with the tokenizer's pad
+    id in every column; Drama 3's generation reads left-padded batches with all-zero pad rows.
+    """
+    mask = attention_mask.bool()  # [B, T]
+    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices  # pad rows first, each group in order
+    rows = input_ids.gather(1, order[..., None].expand_as(input_ids))  # [B, T, 1 + K]
+    mask = mask.gather(1, order)
+    return rows * mask[..., None], mask.to(attention_mask.dtype)
+
+
 def _excerpt(text: str, start: int) -> str:
     """The part of `text` from `start` to the end of the `<|...|>` there (at most 40 characters)."""
     end = text.find("|>", start)

@@ -1,9 +1,10 @@
 """The guide runs as written: every code block of the guide pages, in order, and every script in examples/.
 
 As docs/usage.md says, the examples run on the tiny checkpoint: "fishaudio/drama-3" is replaced by the golden tiny
-checkpoint, and every generation is held to `FRAMES` frames (its random weights rarely end speech on their own). Python blocks of a page share one namespace, as a reader's session would. Bash blocks run their
-`drama3-tts` commands in this process (`pip install` lines are the reader's setup, already done here); any other
-command fails the test, so a new kind of command needs a way to run here first.
+checkpoint, and every generation is held to `FRAMES` frames (its random weights rarely end speech on their own).
+Python blocks of a page share one namespace, as a reader's session would. Bash blocks run their `drama3-tts`
+commands in this process (`pip install` lines are the reader's setup, already done here); any other command fails
+the test, so a new kind of command needs a way to run here first.
 """
 
 import functools

@@ -379,7 +379,7 @@ def test_converted_references_are_said_once(processor, tmp_path, caplog):
     ]
 
 
-def test_a_prompt_over_max_prompt_rows_is_refused_before_any_model_work(processor):
+def test_a_prompt_over_max_prompt_rows_is_refused(processor):
     plain = processor.build_prompt_rows("Hi").shape[0]
     small = Drama3Processor(processor.tokenizer, max_prompt_rows=plain)
     rows = processor.build_prompt_rows("Hi", references=[{"transcript": "Mine.", "codes": _codes(8)}]).shape[0]

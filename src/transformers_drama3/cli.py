@@ -107,9 +107,9 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not (args.model or args.tiny):
         parser.error("choose a checkpoint: --model PATH_OR_HUB_ID, or --tiny for the embedded random one")
     if args.summary:
-        given = [flag for flag, value in (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
-                                          ("--reference", args.reference), ("--voice", args.voice),
-                                          ("--save-voice", args.save_voice)) if value]
+        speech_flags = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
+                        ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice))
+        given = [flag for flag, value in speech_flags if value]
         if given:
             parser.error(f"--summary only describes the checkpoint and speaks nothing: leave out {', '.join(given)}")
         return

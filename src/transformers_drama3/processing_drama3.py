@@ -9,10 +9,10 @@ Caller text (the text to speak, reference transcripts, history turns) can never 
 than a valid speaker tag `<|speaker:0|>`..`<|speaker:15|>`: such text is refused by a string check and the
 token ids of every caller segment are checked again after tokenization.
 
-Everything about a request is checked before any encoding or model work: the texts, every reference (its file
-header or array, its length), and the prompt's length (`max_prompt_rows`). Long text is split by `chunking.split_text`
-into chunks that each start with their speaker tag; a chunk is generated with earlier chunks as `history` turns.
-Audio files are read and written by `audio_io`.
+The texts and every reference of a request (its file header or array, its length) are checked before any audio is
+encoded, and the prompt's length (`max_prompt_rows`) before it reaches a model. Long text is split by
+`chunking.split_text` into chunks that each start with their speaker tag; a chunk is generated with earlier chunks
+as `history` turns. Audio files are read and written by `audio_io`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
-
 from transformers.utils import logging
 
 from .audio_io import audio_file_header, check_sampling_rate, read_audio_file, write_audio
@@ -441,7 +440,8 @@ class Drama3Processor(ProcessorMixin):
             info = audio_file_header(audio, where)
             if sampling_rate is not None and sampling_rate != info.samplerate:
                 raise ValueError(
-                    f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; leave it out"
+                    f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; "
+                    "leave it out"
                 )
             if info.frames == 0:
                 raise ValueError(f"{where}: audio file {str(audio)!r} holds no samples")

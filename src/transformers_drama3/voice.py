@@ -52,7 +52,8 @@ class Drama3Voice:
     def __repr__(self) -> str:
         transcript = self.transcript if len(self.transcript) <= 60 else self.transcript[:57] + "..."
         name = "" if self.name is None else f"name={self.name!r}, "
-        return f"Drama3Voice({name}transcript={transcript!r}, codes=[{self.codes.shape[0]}, {self.codes.shape[1]} frames])"
+        codes = f"[{self.codes.shape[0]}, {self.codes.shape[1]} frames]"
+        return f"Drama3Voice({name}transcript={transcript!r}, codes={codes})"
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the voice to a safetensors file (atomically) and return its path."""

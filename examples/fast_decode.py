@@ -1,11 +1,11 @@
-"""The fast decode path: `generate(..., fast_decode=True)` against the regular loop, same settings, same frames.
+"""CUDA graphs: `generate(..., fast_decode=True)` against the eager frame step, same settings, same frames.
 
     python examples/fast_decode.py [--model fishaudio/drama-3] [--batch 4] [--frames 64]
 
-Runs a greedy batch on both paths, checks that the frames are identical, and prints the time per frame of each.
-On a GPU the fast path replays one captured CUDA graph per frame; its first call also allocates its state and
-captures the graph, so it is timed apart (later calls reuse both). On a CPU there is no graph and the two paths
-cost about the same. Without `--model` the embedded tiny random checkpoint is used.
+Runs a greedy batch both ways, checks that the frames are identical, and prints the time per frame of each. On a
+CUDA device `fast_decode=True` replays the frame step as a captured CUDA graph; its first call also builds the frame
+state and captures the graph, so it is timed apart (later calls reuse both). Elsewhere (a CPU, offloading) it runs
+the same eager step, so both cost the same. Without `--model` the embedded tiny random checkpoint is used.
 """
 
 import time
@@ -37,18 +37,18 @@ def main() -> None:
     settings = {"do_sample": False, "max_new_tokens": args.frames, "output_audio": False}
 
     regular, regular_s = timed_generate(model, inputs, **settings)
-    _, cold_s = timed_generate(model, inputs, fast_decode=True, **settings)  # builds the state (and captures)
+    _, cold_s = timed_generate(model, inputs, fast_decode=True, **settings)  # on CUDA: builds the state, captures
     fast, fast_s = timed_generate(model, inputs, fast_decode=True, **settings)
 
     same = all(torch.equal(a, b) for a, b in zip(regular.codes, fast.codes))
     frames = max(codes.shape[1] for codes in regular.codes)
     print(f"{args.batch} texts, up to {frames} frames each; identical frames on both paths: {same}")
-    print(f"regular loop:           {1e3 * regular_s / frames:8.1f} ms per frame")
-    print(f"fast path, first call:  {1e3 * cold_s / frames:8.1f} ms per frame (allocates its state"
-          f"{', captures the CUDA graph' if torch.cuda.is_available() else ''})")
-    print(f"fast path, later calls: {1e3 * fast_s / frames:8.1f} ms per frame ({regular_s / fast_s:.2f}x the regular loop)")
+    print(f"eager step:                   {1e3 * regular_s / frames:8.1f} ms per frame")
+    print(f"fast_decode=True, first call: {1e3 * cold_s / frames:8.1f} ms per frame"
+          f"{' (builds the state, captures the CUDA graph)' if model.device.type == 'cuda' else ''}")
+    print(f"fast_decode=True, later:      {1e3 * fast_s / frames:8.1f} ms per frame ({regular_s / fast_s:.2f}x the eager step)")
     print(f"one frame is {1e3 * 2048 / model.config.sampling_rate:.1f} ms of audio")
-    model.reset_fast_decode()  # frees the fast path's buffers and graphs
+    model.reset_frame_states()  # frees the kept frame states and CUDA graphs
 
 
 if __name__ == "__main__":

@@ -113,7 +113,7 @@ def _speaker_turns(text: str) -> list[tuple[str, str]]:
 
 
 def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
-    """Split long text into chunks for generation one after another (docs/processor.md#long-text).
+    """Split long text into chunks for generation one after another (docs/format.md#long-text).
 
     Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
     speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence

@@ -240,7 +240,7 @@ class Drama3Processor(ProcessorMixin):
                 dict with `"transcript"` and either `"codes"` (int `[10, frames]`) or `"audio"` (a file path, or a
                 float array `[samples]` / `[channels, samples]` with `"sampling_rate"`).
             history: earlier turns, each `(text, codes [10, frames])`, a dict with `"text"` and `"codes"`, or a
-                `Drama3Voice`; inserted after the system turn (docs/processor.md#long-text). For a batch: one list
+                `Drama3Voice`; inserted after the system turn (docs/format.md#long-text). For a batch: one list
                 per text.
             codec: the model's codec (`model.codec`), needed only for references given as audio.
             return_tensors: `"pt"` or `"np"`.

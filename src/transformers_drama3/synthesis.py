@@ -87,7 +87,7 @@ def _encoded(processor, reference, codec, where: str):
 
 def history_turns(texts: list[str], codes: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
     """History for the next chunk: the first chunk and the previous one, skipping chunks without frames
-    (docs/processor.md#long-text)."""
+    (docs/format.md#long-text)."""
     done = list(zip(texts, codes))
     chosen = done[:1] + done[1:][-1:]
     return [(text, frames) for text, frames in chosen if frames.shape[1] > 0]

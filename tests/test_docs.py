@@ -2,7 +2,8 @@
 
 As docs/usage.md says, the examples run on the tiny checkpoint: "fishaudio/drama-3" is replaced by the golden tiny
 checkpoint, and every generation is held to `FRAMES` frames (its random weights rarely end speech on their own).
-Python blocks of a page share one namespace, as a reader's session would. Bash blocks run their `drama3-tts`
+Python blocks of a page share one namespace, as a reader's session would; a block marked `# GPU only` on its first
+line is compiled (its syntax checked), not run. Bash blocks run their `drama3-tts`
 commands in this process (`pip install` lines are the reader's setup, already done here); any other command fails
 the test, so a new kind of command needs a way to run here first.
 """
@@ -28,6 +29,7 @@ GUIDE_PAGES = ("usage.md", "processor.md")  # pages whose every code block runs
 EXAMPLES = sorted(path.name for path in (ROOT / "examples").glob("*.py") if path.name != "example_setup.py")
 FRAMES = 4
 REAL_MODEL = "fishaudio/drama-3"
+GPU_ONLY = "# GPU only"  # the first line of a block that needs a GPU
 # A fenced block, possibly indented (inside a list item): its indentation, language and code.
 FENCE = re.compile(r"^(?P<indent> *)```(?P<language>\w*)\n(?P<code>.*?)^(?P=indent)```", re.DOTALL | re.MULTILINE)
 
@@ -85,7 +87,9 @@ def test_every_code_block_of_the_guide_runs(page, reader, monkeypatch):
     assert [language for language, _, _ in blocks if language not in ("", "python", "bash")] == []
     for language, code, line in blocks:
         if language == "python":
-            exec(compile(code.replace(REAL_MODEL, str(GOLDEN_TINY)), f"docs/{page}:{line}", "exec"), namespace)
+            compiled = compile(code.replace(REAL_MODEL, str(GOLDEN_TINY)), f"docs/{page}:{line}", "exec")
+            if not code.startswith(GPU_ONLY):
+                exec(compiled, namespace)
         elif language == "bash":
             run_commands(code, monkeypatch)
 

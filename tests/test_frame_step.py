@@ -202,6 +202,22 @@ def test_graphs_are_captured_with_batched_mm_experts_and_the_choice_is_restored(
     assert model.backbone.config._experts_implementation == "eager"
 
 
+def test_the_compiled_step_gives_the_eager_frames(model, prompt):
+    """`compile_step` runs the step through torch.compile (here the `aot_eager` backend: dynamo's single graph and
+    its functionalised in-place updates of the state, without inductor's minutes of code generation; inductor runs in
+    benchmarks/frame_step.py and on the GPU check). Greedy frames equal the eager step's golden ones."""
+    with captured_experts(model):
+        out = model.generate(prompt, do_sample=False, max_new_tokens=16, compile_step="aot_eager", output_audio=False)
+    torch._dynamo.reset()
+    assert out.finish_reason == ["eos"]
+    assert torch.equal(out.sequences, model.generate(prompt, do_sample=False, max_new_tokens=16, output_audio=False).sequences)
+
+
+def test_compile_step_must_be_a_bool_or_a_backend_name(model, prompt):
+    with pytest.raises(ValueError, match="compile_step must be True, False or a torch.compile backend name"):
+        model.generate(prompt, compile_step=3, max_new_tokens=2)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # States across calls
 # ---------------------------------------------------------------------------------------------------------------

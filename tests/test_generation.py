@@ -200,7 +200,7 @@ def test_a_seed_per_sequence_samples_each_sequence_as_it_samples_alone(model, ex
     generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
     again = model.generate(batch, attention_mask=mask, generator=generators, max_new_tokens=10, output_audio=False)
     assert torch.equal(again.sequences, together.sequences)
-    with pytest.raises(ValueError, match="one integer per sequence"):
+    with pytest.raises(ValueError, match="one 64-bit integer per sequence"):
         model.generate(batch, attention_mask=mask, seed=[1], max_new_tokens=2)
     with pytest.raises(ValueError, match="either seed or generator"):
         model.generate(batch, attention_mask=mask, seed=1, generator=generators, max_new_tokens=2)
@@ -341,9 +341,13 @@ def test_settings_live_on_the_generation_config(model, prompt):
     "kwargs,error,needle",
     [
         ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
-        ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
+        ({"temperature": 0.0}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be a finite number > 0"),
+        ({"codebook_temperature": float("inf")}, ValueError, "codebook_temperature must be a finite number"),
         ({"codebook_temperature": -1.0}, ValueError, "codebook_temperature"),
-        ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 0.0}, ValueError, r"top_p must be a number in \(0, 1\]"),
+        ({"max_new_tokens": "3"}, ValueError, "max_new_tokens"),
+        ({"seed": 2**70}, ValueError, "seed must be a 64-bit integer"),
         ({"ras_top_p": 1.5}, ValueError, "ras_top_p"),
         ({"temprature": 0.5}, TypeError, "temprature"),
         ({"num_beams": 4}, TypeError, "num_beams"),

@@ -21,6 +21,7 @@ _PUBLIC = {
     "Drama3CodebookTower": "modeling_tower",
     "Drama3ConfigError": "configuration_drama3",
     "Drama3GenerateOutput": "generation_drama3",
+    "Drama3ParallelError": "parallel",
     "Drama3Processor": "processing_drama3",
     "Drama3Speech": "synthesis",
     "Drama3SpeechOutput": "modeling_drama3",

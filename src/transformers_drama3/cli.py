@@ -3,6 +3,7 @@
     drama3-tts --tiny "Hello there." --output hello.wav --max-new-tokens 32
     drama3-tts --model fishaudio/drama-3 --text-file story.txt --output story.flac --seed 1
     drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.wav --voice me.voice.safetensors
+    torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
 
 Everything about a request is checked before the model loads: the command line, the sampling settings (by
 `generation_settings`, the model's own rules), the device, the text, the output path, the checkpoint's location,
@@ -10,6 +11,9 @@ reference recordings and voice files. An error prints one line on stderr and exi
 command line, 130 on Ctrl-C, 128 + N when stopped by signal N, e.g. 143 for SIGTERM). The output file is written
 atomically, so a failed, interrupted or stopped run leaves no partial file. Warnings of transformers and Drama 3 are
 said once each, as `note:` lines between the progress bars, not inside them.
+
+Under `torchrun` the model is split over the ranks (`--parallel`, docs/hardware.md): rank 0 alone reads the text
+and voice files, checks the output path, prints and writes; every rank computes the same frames.
 
 Nothing heavy is imported until the command line has been parsed: `--help` and usage errors answer at once.
 """
@@ -95,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fast-decode", action="store_true",
                      help="preallocated frame step, one CUDA graph per frame on a GPU (docs/usage.md)")
     run.add_argument("--device", default="auto", help='"cpu", "cuda", "cuda:1", ... (default: cuda if available)')
+    run.add_argument("--parallel", choices=["tensor", "expert"],
+                     help="under torchrun: split the backbone over the ranks by tensor parallelism or by whole experts "
+                     "(default: expert); each rank uses GPU LOCAL_RANK, or the CPU")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU); the codec stays float32")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
@@ -106,6 +113,11 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     """Command-line shape errors (exit status 2); nothing is imported or read."""
     if not (args.model or args.tiny):
         parser.error("choose a checkpoint: --model PATH_OR_HUB_ID, or --tiny for the embedded random one")
+    if args.parallel is not None and not under_torchrun():
+        parser.error("--parallel splits the model over the processes of a torchrun launch: "
+                     "torchrun --nproc-per-node N -m transformers_drama3.cli ...")
+    if under_torchrun() and args.device != "auto":
+        parser.error("under torchrun each rank uses GPU LOCAL_RANK (or the CPU): leave --device out")
     if args.summary:
         speech_flags = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
                         ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice))
@@ -137,6 +149,16 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                          "leave out one or the other")
     if args.chunk_bytes < MIN_CHUNK_BYTES:
         parser.error(f"--chunk-bytes must be at least {MIN_CHUNK_BYTES}; got {args.chunk_bytes}")
+
+
+def under_torchrun() -> bool:
+    """Launched by torchrun with several processes (`parallel.launched_with_torchrun`). parallel.py imports torch, so
+    it is asked only when torchrun's `WORLD_SIZE` is set."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    from . import parallel
+
+    return parallel.launched_with_torchrun()
 
 
 def generation_flags(args: argparse.Namespace) -> dict:
@@ -196,10 +218,13 @@ def check_device(device: str) -> None:
 
 def resolve_device_and_dtype(device: str, dtype: str):
     """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype), the device checked (`check_device`):
-    cuda if available, else the CPU; bfloat16 on an accelerator, float32 on the CPU."""
+    cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator, float32 on the
+    CPU."""
     import torch
 
-    if device == "auto":
+    if device == "auto" and under_torchrun():
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(device)
     if dtype == "auto":
@@ -242,6 +267,24 @@ def load_model(path: str, device: str, dtype):
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
 
 
+def load_parallel_model(path: str, dtype, expert_parallel: bool):
+    """This rank's share of the model, split over the torchrun ranks (`transformers_drama3.parallel`)."""
+    from . import parallel
+    from .modeling_drama3 import FishOmniForSpeech
+
+    config = parallel.distributed_config(expert_parallel=expert_parallel)
+    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
+
+
+def is_main_process() -> bool:
+    """Rank 0 under torchrun (and every single process): the one that reads input, prints and writes."""
+    if not under_torchrun():
+        return True
+    from . import parallel
+
+    return parallel.is_main_process()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -249,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
             flags = check_generation_flags(parser, args)
+            if under_torchrun():
+                from . import parallel
+
+                parallel.init_process_group()
+                notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
     except KeyboardInterrupt:
         print("drama3-tts: interrupted", file=sys.stderr)
@@ -257,7 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drama3-tts: stopped by {signal.Signals(stop.signal_number).name}", file=sys.stderr)
         return 128 + stop.signal_number
     except _reported_errors() as error:
-        print(f"drama3-tts: error: {error}", file=sys.stderr)
+        if is_main_process():
+            print(f"drama3-tts: error: {error}", file=sys.stderr)
         return FAILURE
 
 
@@ -350,23 +399,17 @@ class _Notes(logging.Handler):
 
 
 def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
-    from .audio_io import audio_file_format
     from .processing_drama3 import Drama3Processor
     from .voice import Drama3Voice
 
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     notes.on_cpu = device == "cpu"
-    text = _read_text(args)
-    for output in (args.output, args.save_voice):
-        if output is not None:
-            check_writable(output)
-    if args.output is not None:
-        audio_file_format(args.output)
-    voices = [Drama3Voice.load(file) for file in args.voice]
+    text, voices = _on_main_process(_read_inputs, args)
     path = _checkpoint(args)
     if args.summary:
         model = _load(args, notes, path, device, dtype)
-        print(model_summary(model))
+        if is_main_process():
+            print(model_summary(model))
         return 0
 
     processor = _loaded(Drama3Processor.from_pretrained, path)
@@ -386,7 +429,8 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     notes.say_all()
     if args.save_voice is not None:
         voice = Drama3Voice(codes=references[0]["codes"], transcript=references[0]["transcript"])
-        voice.save(args.save_voice)
+        if is_main_process():
+            voice.save(args.save_voice)
         notes.say(f"saved the voice to {args.save_voice}")
     if text is None:
         return 0
@@ -397,6 +441,29 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     notes.say(f"wrote {args.output}: {speech.duration:.2f} s, {speech.num_frames} frames, "
               f"{chunks} chunk{'s' if chunks != 1 else ''}")
     return 0
+
+
+def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list]:
+    """The text and the voice files, with the output paths checked (run by rank 0 alone under torchrun)."""
+    from .audio_io import audio_file_format
+    from .voice import Drama3Voice
+
+    text = _read_text(args)
+    for output in (args.output, args.save_voice):
+        if output is not None:
+            check_writable(output)
+    if args.output is not None:
+        audio_file_format(args.output)
+    return text, [Drama3Voice.load(file) for file in args.voice]
+
+
+def _on_main_process(function, *args):
+    """`function(*args)` on rank 0 alone under torchrun, its result (or error) shared with every rank."""
+    if not under_torchrun():
+        return function(*args)
+    from . import parallel
+
+    return parallel.run_on_main_process(function, *args)
 
 
 def _checkpoint(args: argparse.Namespace) -> str:
@@ -412,8 +479,16 @@ def _checkpoint(args: argparse.Namespace) -> str:
 
 
 def _load(args, notes: _Notes, path, device, dtype):
-    notes.say(f"loading {args.model or 'the tiny checkpoint'} on {device} ({str(dtype).removeprefix('torch.')})")
-    model = _loaded(load_model, path, device, dtype)
+    name, dtype_name = args.model or "the tiny checkpoint", str(dtype).removeprefix("torch.")
+    if under_torchrun():
+        from . import parallel
+
+        mode = args.parallel or "expert"
+        notes.say(f"loading {name} split over {parallel.world_size()} ranks ({mode} parallel, {dtype_name})")
+        model = _loaded(load_parallel_model, path, dtype, mode == "expert")
+    else:
+        notes.say(f"loading {name} on {device} ({dtype_name})")
+        model = _loaded(load_model, path, device, dtype)
     notes.say_all()
     return model
 
@@ -457,9 +532,10 @@ def _speak(args, flags, model, processor, text, references):
     from .synthesis import synthesize
 
     options = dict(chunk_bytes=args.chunk_bytes, seed=args.seed, show_progress=not args.quiet, **flags)
-    if not args.stream:
+    if not args.stream or not is_main_process():  # under torchrun only rank 0 writes
         speech = synthesize(model, processor, text, references, **options)
-        processor.save_audio(speech.audio, args.output, speech.sampling_rate)
+        if is_main_process():
+            processor.save_audio(speech.audio, args.output, speech.sampling_rate)
         return speech
     return stream_to_file(args.output, model, lambda streamer: synthesize(
         model, processor, text, references, streamer=streamer, **options))

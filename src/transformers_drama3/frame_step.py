@@ -174,6 +174,7 @@ class FrameState:
         # [b, V + 1] the step's main-token logits (after any hook), for `output_scores` and stopping criteria.
         self.scores = torch.zeros(batch, num_candidates, device=head_device) if scores else None
         self.graphs: dict[tuple, object] = {}  # captured steps (cuda_graphs.py), per sampling key and window
+        self.compiled: dict[str, object] = {}  # `step` compiled by torch.compile, per backend
 
     # ------------------------------------------------------------------------------------------------------------
     # Loading sequences

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import threading
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from transformers.utils import ModelOutput, logging
 from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
 from .frame_step import FrameState, attention_window, row_limit
+from .parallel import check_fast_decode_allowed, shared_seed
 from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
@@ -45,6 +47,7 @@ DRAMA3_GENERATION_DEFAULTS = {
     "codebook_top_p": 0.9,
     "stop_check_interval": 8,  # frames between two host checks of the stop flags
     "fast_decode": False,  # on CUDA: capture the frame step once as a CUDA graph and replay it (cuda_graphs.py)
+    "compile_step": False,  # torch.compile the frame step first (True: inductor; or a torch.compile backend's name)
     "return_dict_in_generate": True,
     "output_scores": False,  # the main-token candidate logits of every frame, in `Drama3GenerateOutput.scores`
 }
@@ -75,6 +78,42 @@ class Drama3GenerateOutput(ModelOutput):
     scores: tuple[torch.Tensor, ...] | None = None
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_settings(values: dict) -> None:
+    """Raise a `ValueError` naming the first Drama 3 generation setting in `values` that is out of range (types
+    included: a string, a NaN or an infinity is never a valid number)."""
+    if not _is_int(values["max_new_tokens"]) or values["max_new_tokens"] < 1:
+        raise ValueError(f"max_new_tokens (frames) must be an integer >= 1, got {values['max_new_tokens']!r}")
+    if not _is_int(values["stop_check_interval"]) or values["stop_check_interval"] < 1:
+        raise ValueError(f"stop_check_interval must be an integer >= 1, got {values['stop_check_interval']!r}")
+    if not isinstance(values["compile_step"], (bool, str)):
+        raise ValueError(f"compile_step must be True, False or a torch.compile backend name, got {values['compile_step']!r}")
+    for name in ("fast_decode", "do_sample", "return_dict_in_generate", "output_scores"):
+        if not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be True or False, got {values[name]!r}")
+    if not _is_int(values["ras_window"]) or values["ras_window"] < 0:
+        raise ValueError(f"ras_window must be an integer >= 0, got {values['ras_window']!r}")
+    if not values["do_sample"]:
+        return
+    for name in ("temperature", "ras_temperature", "codebook_temperature"):
+        if not _is_number(values[name]) or values[name] <= 0:
+            raise ValueError(f"{name} must be a finite number > 0 when sampling (use do_sample=False for greedy), "
+                             f"got {values[name]!r}")
+    for name in ("top_p", "ras_top_p", "codebook_top_p"):
+        if not _is_number(values[name]) or not 0 < values[name] <= 1:
+            raise ValueError(f"{name} must be a number in (0, 1], got {values[name]!r}")
+    for name in ("top_k", "ras_top_k", "codebook_top_k"):
+        if values[name] is not None and (not _is_int(values[name]) or values[name] < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or None for no limit), got {values[name]!r}")
+
+
 def generation_settings(
     base: GenerationConfig, generation_config: GenerationConfig | None = None, **kwargs
 ) -> GenerationConfig:
@@ -97,6 +136,7 @@ def generation_settings(
                 f"generation_config sets {unsupported}, which Drama 3 generation does not use; it accepts "
                 f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (see docs/usage.md, 'Sampling settings')"
             )
+        check_settings({**settings.to_dict(), **given})
         settings.update(**given)
     for key in _IGNORED_SETTINGS:
         kwargs.pop(key, None)
@@ -107,27 +147,8 @@ def generation_settings(
             f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, "
             "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress)"
         )
+    check_settings({**settings.to_dict(), **kwargs})
     settings.update(**kwargs)
-    if not isinstance(settings.max_new_tokens, int) or isinstance(settings.max_new_tokens, bool) or settings.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens (frames) must be an integer >= 1, got {settings.max_new_tokens!r}")
-    if not isinstance(settings.stop_check_interval, int) or settings.stop_check_interval < 1:
-        raise ValueError(f"stop_check_interval must be an integer >= 1, got {settings.stop_check_interval!r}")
-    for name in ("fast_decode", "do_sample", "return_dict_in_generate", "output_scores"):
-        if not isinstance(getattr(settings, name), bool):
-            raise ValueError(f"{name} must be True or False, got {getattr(settings, name)!r}")
-    if not isinstance(settings.ras_window, int) or settings.ras_window < 0:
-        raise ValueError(f"ras_window must be an integer >= 0, got {settings.ras_window!r}")
-    if settings.do_sample:
-        for name in ("temperature", "ras_temperature", "codebook_temperature"):
-            if getattr(settings, name) is None or getattr(settings, name) <= 0:
-                raise ValueError(f"{name} must be > 0 when sampling (use do_sample=False for greedy), got {getattr(settings, name)}")
-        for name in ("top_p", "ras_top_p", "codebook_top_p"):
-            if not 0 < getattr(settings, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(settings, name)}")
-        for name in ("top_k", "ras_top_k", "codebook_top_k"):
-            value = getattr(settings, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1 (or None for no limit), got {value!r}")
     return settings
 
 
@@ -179,17 +200,28 @@ class FrameStates:
             state = self.states[key] = FrameState(self.model, batch, capacity, ras_window, template, scores)
         return state
 
-    def runner(self, state: FrameState, sampler: FrameSampler, visible: int, graphs: bool, hook=None):
+    def runner(self, state: FrameState, sampler: FrameSampler, visible: int, graphs: bool, hook=None,
+               compile_backend: str | None = None):
         """A callable running one step of `state` over `visible` cache rows: a CUDA graph replay with `graphs`, else
-        the eager step. A new state's first capture runs warm-up steps that overwrite it: get the first runner of a
-        state before loading sequences into it."""
-        step = lambda: state.step(sampler, visible, hook)  # noqa: E731
+        the step itself; compiled first with `compile_backend` (`torch.compile(fullgraph=True)`: one graph, its
+        element-wise chains fused by inductor). A new state's first capture runs warm-up steps that overwrite it: get
+        the first runner of a state before loading sequences into it."""
+        function = compiled_step(state, compile_backend) if compile_backend else state.step
+        step = lambda: function(sampler, visible, hook)  # noqa: E731
         if not graphs:
             return step
         key = (sampler.key, visible)
         if key not in state.graphs:
             state.graphs[key] = self.graphs.capture(self.model, step, state.hidden.device, warm_up=not state.graphs)
         return state.graphs[key].replay
+
+
+def compiled_step(state: FrameState, backend: str):
+    """`state.step` compiled by torch.compile with `backend`, kept on the state (each window and sampling setting is
+    compiled on its first use)."""
+    if state.compiled.get(backend) is None:
+        state.compiled[backend] = torch.compile(state.step, fullgraph=True, dynamic=False, backend=backend)
+    return state.compiled[backend]
 
 
 def frame_states(model) -> FrameStates:
@@ -223,13 +255,16 @@ def request_generators(seed, generator, batch: int, device: torch.device):
     (from `seed` as an int or a list of ints, or `generator` as a Generator or a list)."""
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
+    def valid_seed(value) -> bool:  # what torch.Generator.manual_seed takes: a 64-bit integer
+        return _is_int(value) and -(2**63) <= value < 2**64
+
     if isinstance(seed, (list, tuple)):
-        if len(seed) != batch or not all(isinstance(s, int) and not isinstance(s, bool) for s in seed):
-            raise ValueError(f"seed as a list needs one integer per sequence ({batch}), got {seed!r}")
+        if len(seed) != batch or not all(valid_seed(s) for s in seed):
+            raise ValueError(f"seed as a list needs one 64-bit integer per sequence ({batch}), got {seed!r}")
         return [torch.Generator(device=device).manual_seed(s) for s in seed]
     if seed is not None:
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an integer (or a list of one per sequence), got {seed!r}")
+        if not valid_seed(seed):
+            raise ValueError(f"seed must be a 64-bit integer (or a list of one per sequence), got {seed!r}")
         return torch.Generator(device=device).manual_seed(seed)
     if isinstance(generator, (list, tuple)):
         if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
@@ -266,6 +301,9 @@ class FrameLoop:
             logger.warning_once("a logits_processor runs in Python between the step's parts: the frame step runs "
                                 "eagerly, without CUDA graphs")
             self.graphs = False
+        # A user's logits processor is Python run inside the step: it cannot be compiled with it either.
+        compile_step = settings.compile_step if not logits_processor else False
+        self.compile_backend = "inductor" if compile_step is True else (compile_step or None)
         self.need_scores = settings.output_scores or bool(stopping_criteria)
         # Calls that look at every frame on the host anyway also retire finished sequences at every frame.
         self.check_every = 1 if streamer is not None or logits_processor or stopping_criteria else settings.stop_check_interval
@@ -290,81 +328,85 @@ class FrameLoop:
             return self.generators
         return [self.generators[i] for i in members] + [None] * (batch - len(members))
 
-    def _hook(self, members, member_index):
-        """The main-logits hook running the user's logits processors on the whole batch's view (None without any)."""
+    def _main_logits_hook(self):
+        """The hook running the user's logits processors inside a step, on the whole batch's view (None without any):
+        rows of sequences not in the state are zeros."""
         if not self.logits_processor:
             return None
 
-        def hook(logits: torch.Tensor) -> torch.Tensor:
+        def hook(logits: torch.Tensor) -> torch.Tensor:  # [state rows, V + 1]
+            count = len(self.members)
             full = logits.new_zeros(len(self.lengths), logits.shape[1])  # [B, V + 1]
-            full[member_index] = logits[: len(members)]
+            full[self.member_index] = logits[:count]
             processed = self.logits_processor(self.sequences[:, : self.rows + self.step], full)
             out = logits.clone()
-            out[: len(members)] = processed[member_index].to(out.dtype)
+            out[:count] = processed[self.member_index].to(out.dtype)
             return out
 
         return hook
 
     def _run(self, states: FrameStates, on_step) -> None:
         prefill, settings = self.prefill, self.settings
-        batch = len(self.lengths)
         cap = row_limit(self.limit)
+
+        def runner(state: FrameState, visible: int):
+            return states.runner(state, self.sampler, visible, self.graphs, self._main_logits_hook(), self.compile_backend)
+
+        # A RAS window longer than a request's rows sees all of them: the buffer never needs more than the context.
+        ras_window = min(settings.ras_window, self.limit)
+
+        def state_for(batch: int, capacity: int, template) -> FrameState:
+            return states.state(batch, capacity, ras_window, template, self.need_scores)
+
+        batch = len(self.lengths)
         visible = attention_window(self.rows + 1, cap)  # rows in use after the first step
-        state = states.state(self._bucket(batch), visible, settings.ras_window, prefill.cache, self.need_scores)
-        members = list(range(batch))  # original index of state row i, for the first len(members) rows
-        member_index = torch.arange(batch, device=state.slot.device)
+        state = state_for(self._bucket(batch), visible, prefill.cache)
+        self.members = list(range(batch))  # original index of state row i, for the first len(members) rows
+        self.member_index = torch.arange(batch, device=state.slot.device)
         self.step = 0
-        run = states.runner(state, self.sampler, visible, self.graphs, self._hook(members, member_index))
+        run = runner(state, visible)  # before loading: a first capture overwrites the state (see `runner`)
         state.load_prefill(
             prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], self.input_ids, self.positions,
-            self.attention_mask, settings.ras_window,
+            self.attention_mask, ras_window,
         )
         for step in range(self.frames):
             self.step = step
             window = attention_window(self.rows + step + 1, cap)  # this step's new row is row rows + step
-            if window > state.capacity:
-                bigger = states.state(state.batch, window, settings.ras_window, state.cache, self.need_scores)
-                run = states.runner(bigger, self.sampler, window, self.graphs, self._hook(members, member_index))
+            if window > state.capacity:  # grow: the same sequences in a state with room for the window
+                bigger = state_for(state.batch, window, state.cache)
+                run = runner(bigger, window)
                 bigger.load_from(state, torch.arange(state.batch, device=state.slot.device))
                 state = bigger
             elif window != visible:
-                run = states.runner(state, self.sampler, window, self.graphs, self._hook(members, member_index))
+                run = runner(state, window)
             visible = window
-            self.sampler.fill_noise(state.noise, self._row_generators(members, state.batch))
-            ended_before = state.ended[: len(members)].clone() if state.scores is not None else None
+            self.sampler.fill_noise(state.noise, self._row_generators(self.members, state.batch))
+            ended_before = state.ended[: len(self.members)].clone() if state.scores is not None else None
             run()
-            self._record(state, members, member_index, step, ended_before)
+            self._record(state, step, ended_before)
             on_step(1)
-            if step + 1 == self.frames:
-                break
-            if (step + 1) % self.check_every:
+            if step + 1 == self.frames or (step + 1) % self.check_every:
                 continue
-            running = self._retire(state, members, None)  # the one host sync of the interval
+            running = self._retire(state, None)  # the one host sync of the interval
             if not running:
                 break
-            if len(running) < len(members):
-                keep = torch.tensor([members.index(i) for i in running], device=state.slot.device)
-                if self._bucket(len(running)) < state.batch:
-                    smaller = states.state(self._bucket(len(running)), state.capacity, settings.ras_window, state.cache,
-                                           self.need_scores)
-                    run = states.runner(smaller, self.sampler, visible, self.graphs,
-                                        self._hook(running, torch.tensor(running, device=state.slot.device)))
-                    smaller.load_from(state, keep)
-                    state = smaller
-                else:  # the same state: the sequences that ended stay as ended rows until the bucket shrinks
-                    continue
-                members = running
-                member_index = torch.tensor(members, device=state.slot.device)
-                if self.logits_processor:
-                    run = states.runner(state, self.sampler, visible, self.graphs, self._hook(members, member_index))
-        self._retire(state, members, FINISH_LENGTH if self.frames == settings.max_new_tokens else FINISH_CONTEXT)
+            if self._bucket(len(running)) < state.batch:  # shrink: the running sequences move to a smaller state
+                keep = torch.tensor([self.members.index(i) for i in running], device=state.slot.device)
+                smaller = state_for(self._bucket(len(running)), state.capacity, state.cache)
+                run = runner(smaller, visible)
+                smaller.load_from(state, keep)
+                state = smaller
+                self.members, self.member_index = running, torch.tensor(running, device=state.slot.device)
+            # Otherwise the ended sequences stay in the state, as ended rows, until the bucket shrinks.
+        self._retire(state, FINISH_LENGTH if self.frames == settings.max_new_tokens else FINISH_CONTEXT)
         # Scores of the steps that decided something: up to each sequence's last frame, and its EOS step.
         decided = [n + (reason == FINISH_EOS) for n, reason in zip(self.lengths, self.finish_reason)]
         del self.scores[max(decided, default=0) :]
 
-    def _record(self, state: FrameState, members: list[int], member_index: torch.Tensor, step: int, ended_before) -> None:
+    def _record(self, state: FrameState, step: int, ended_before: torch.Tensor | None) -> None:
         """Write the step's frames into the outputs; stream them; run the stopping criteria; keep the scores (of the
         sequences that had not ended before this step)."""
+        members, member_index = self.members, self.member_index
         count = len(members)
         self._room(step)
         made = ~state.ended[:count]  # [n] a frame was made (not EOS, not ended before)
@@ -388,9 +430,10 @@ class FrameLoop:
                 state.ended[stopping] = True
                 self.stopped.update(members[i] for i in stopping.tolist())
 
-    def _retire(self, state: FrameState, members: list[int], reason_for_running: str | None) -> list[int]:
+    def _retire(self, state: FrameState, reason_for_running: str | None) -> list[int]:
         """Record the lengths and finish reasons of sequences that ended (of all, with `reason_for_running` for those
         still running); returns the ones still running."""
+        members = self.members
         ended = state.ended[: len(members)].tolist()
         counts = state.count[: len(members)].tolist()
         running = []
@@ -467,13 +510,14 @@ class Drama3GenerationMixin(GenerationMixin):
             stopping_criteria = StoppingCriteriaList(stopping_criteria)
         self.check_frames(input_ids)
         batch = input_ids.shape[0]
-        input_ids = input_ids.to(self.input_device)
-        attention_mask = self._full_attention_mask(
-            None if attention_mask is None else attention_mask.to(self.input_device), batch, 0, input_ids.shape[1],
-            input_ids.device,
-        )
+        input_ids = input_ids.to(self.input_device, torch.long)
+        if isinstance(attention_mask, torch.Tensor):
+            attention_mask = attention_mask.to(self.input_device)
+        attention_mask = self._full_attention_mask(attention_mask, batch, 0, input_ids.shape[1], input_ids.device)
+        seed = shared_seed(self, seed, generator)  # split over ranks: every rank draws the same noise
         generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
         if settings.fast_decode:
+            check_fast_decode_allowed(self)
             check_cuda_graphs(self)
 
         prefill = self(input_ids, attention_mask, use_cache=True, logits_to_keep=1)

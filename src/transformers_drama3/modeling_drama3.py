@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
@@ -34,6 +35,7 @@ from .device_placement import execution_device, pin_codec_to_main_device, warn_a
 from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
+from .parallel import ParallelRequest
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 CODEC_FILE = "codec.pth"
@@ -245,8 +247,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             raise ValueError("the loss needs the logits of every row: leave logits_to_keep at 0 with labels")
         cache = cache if cache is not None else past_key_values
         self.check_frames(input_ids)
-        input_ids = input_ids.to(self.input_device)
-        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
+        input_ids = input_ids.to(self.input_device, torch.long)
+        attention_mask = attention_mask.to(self.input_device) if isinstance(attention_mask, torch.Tensor) else attention_mask
         labels = labels.to(self.input_device) if labels is not None else None
         batch, rows, _ = input_ids.shape
         if use_cache is None:
@@ -329,21 +331,33 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
 
     @staticmethod
     def _full_attention_mask(attention_mask, batch: int, past: int, rows: int, device) -> torch.Tensor:
-        """`[B, past + T]` mask of real rows (all ones when none is given)."""
+        """`[B, past + T]` long mask of real rows (all ones when none is given), checked: 0/1 values, left padding
+        only, at least one real row per sequence."""
         if attention_mask is None:
             return torch.ones(batch, past + rows, dtype=torch.long, device=device)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor [batch, rows], got {type(attention_mask).__name__}")
         if attention_mask.shape != (batch, past + rows):
             raise ValueError(
                 f"attention_mask must be [batch, cached rows + new rows] = [{batch}, {past + rows}], got "
                 f"{tuple(attention_mask.shape)}"
             )
-        empty = ~attention_mask.bool().any(-1)
+        if attention_mask.dtype.is_complex or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (left padding) and 1 (real rows) only")
+        mask = attention_mask.long()
+        empty = mask.sum(-1) == 0
         if empty.any():
             raise ValueError(
                 f"attention_mask row {int(empty.nonzero()[0, 0])} is all zeros: that sequence has no real row to "
                 "condition on (1 marks a real row, 0 left padding)"
             )
-        return attention_mask.long()
+        padding_after_rows = (mask[:, 1:] < mask[:, :-1]).any(-1)
+        if padding_after_rows.any():
+            raise ValueError(
+                f"attention_mask row {int(padding_after_rows.nonzero()[0, 0])} has padding (0) after real rows: Drama 3 "
+                "takes left-padded batches, padding first (the processor pads that way)"
+            )
+        return mask
 
     def _tower_teacher_forcing(self, hidden, frames, position_ids, attention_mask, tower_cache, kept: int):
         """Codebook logits `[B, kept, NCB-1, V]` of the last `kept` rows (zeros for a row whose previous row is not
@@ -374,8 +388,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         1..NCB-1 of audio labels."""
         if labels.shape != main_logits.shape[:2] + (1 + self.config.num_codebooks,):
             raise ValueError(f"labels must have the shape of input_ids {tuple(main_logits.shape[:2])} + (11,), got {tuple(labels.shape)}")
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise ValueError(f"labels must hold integer ids (frame rows, main id {IGNORE_INDEX} to leave a row out), got {labels.dtype}")
+        labels = labels.long()
         start, vocab = self.config.semantic_start_token_id, self.config.codebook_size
         main = labels[..., 0]  # [B, T]
+        text_vocab = self.config.text_config.vocab_size
+        bad = (main != IGNORE_INDEX) & ((main < 0) | (main >= text_vocab))
+        if bad.any():
+            where = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"labels[{where[0]}, {where[1]}, 0] = {int(main[where[0], where[1]])}: label main ids must lie in the text "
+                f"vocabulary [0, {text_vocab}), or be {IGNORE_INDEX} to leave the row out of the loss"
+            )
         counted = (main != IGNORE_INDEX) & row_mask
         audio = counted & self.is_audio_row(main)
         main_target = torch.where(audio, main - start + 1, torch.full_like(main, IGNORE_INDEX))
@@ -399,10 +424,13 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         `max_memory` and `offload_folder` for offloading (the codec always stays whole on the main device, see
         `device_placement`); `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit dense linears (tower,
         lm_head and codec stay in full precision unless `llm_int8_skip_modules` says otherwise; the FP8 experts are
-        dequantised). The codec is loaded from `codec.pth` in float32 whatever `dtype` is; `model.codec.to(...)`
-        changes that. Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32
-        (`default_dtype`), elsewhere in the checkpoint's bfloat16. See docs/hardware.md.
+        dequantised); under `torchrun`, `tp_plan="auto"` or `distributed_config=parallel.distributed_config(...)`
+        for tensor or expert parallelism (`transformers_drama3.parallel`). The codec is loaded from `codec.pth` in
+        float32 whatever `dtype` is; `model.codec.to(...)` changes that. Without `dtype` (or with `"auto"`) on a
+        machine with no GPU the model loads in float32 (`default_dtype`), elsewhere in the checkpoint's bfloat16.
+        See docs/hardware.md.
         """
+        parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
         default_dtype(kwargs)
         config = kwargs.pop("config", None)
@@ -410,6 +438,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             config = FishOmniConfig.from_pretrained(directory)
         elif not isinstance(config, FishOmniConfig):
             raise TypeError(f"`config` must be a FishOmniConfig, got {type(config).__name__}")
+        if parallel is not None:
+            kwargs.update(parallel.load_kwargs(config))
         codec_path = os.path.join(directory, CODEC_FILE)
         if not os.path.isfile(codec_path):
             raise Drama3CheckpointError(f"checkpoint {directory!r} has no {CODEC_FILE} (the audio codec's weights)")
@@ -440,8 +470,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         this same dict afterwards, so pinning it in place covers both (see `device_placement`). The weights are
         loaded but not yet dispatched, so the dtype fix also reaches weights that accelerate then keeps in RAM.
         """
-        if isinstance(load_config.device_map, dict):
-            pin_codec_to_main_device(load_config.device_map, [name for name, _ in model.named_children()])
+        device_map = load_config.device_map
+        # A tensor/expert-parallel rank (a device mesh) gets `{"": its device}`, all in memory: nothing to pin.
+        if isinstance(device_map, dict) and load_config.device_mesh is None:
+            pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
         loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         quantizer = load_config.hf_quantizer
         if quantizer is not None and quantizer.pre_quantized and getattr(quantizer.quantization_config, "dequantize", False):
@@ -488,12 +520,23 @@ def cast_dequantised_checkpoint(model: FishOmniForSpeech, dtype: torch.dtype | N
     transformers 5.17 keeps every *renamed* weight of a pre-quantized checkpoint in the checkpoint's dtype (bf16)
     whatever `dtype` asks, so a float32 load came out mostly bf16; newer versions already agree (nothing to do).
     After dequantisation no weight is quantized, so all of them take `dtype`. Weights already offloaded to disk
-    (meta) were written with the right dtype by transformers.
+    (meta) were written with the right dtype by transformers. A tensor-parallel shard (a `DTensor`) becomes a new
+    parameter (`.data =` would relabel its dtype without converting its local tensor), marked as loaded the way
+    transformers' loader marks it, or transformers would re-initialise it as a weight it never loaded.
     """
     if dtype is None:
         return
-    for name, parameter in model.named_parameters():
-        if not name.startswith(CODEC_PREFIX) and parameter.is_floating_point() and not parameter.is_meta:
+    for name, parameter in list(model.named_parameters()):
+        if name.startswith(CODEC_PREFIX) or not parameter.is_floating_point() or parameter.is_meta:
+            continue
+        if isinstance(parameter, DTensor):
+            if parameter.dtype == dtype:
+                continue
+            converted = nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
+            converted._is_hf_initialized = True
+            module_name, _, parameter_name = name.rpartition(".")
+            setattr(model.get_submodule(module_name), parameter_name, converted)
+        else:
             parameter.data = parameter.data.to(dtype)
 
 

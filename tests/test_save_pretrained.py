@@ -60,7 +60,8 @@ def test_round_trip_gives_identical_outputs(source, dtype, plain_checkpoint, pro
     codec_state = load_codec_state_dict(tmp_path / "codec.pth")
     assert codec_state.keys() == model.codec.state_dict().keys()  # the folded codec
 
-    reloaded, info = FishOmniForSpeech.from_pretrained(tmp_path, output_loading_info=True)
+    # the saved dtype, asked for: without a GPU a load without `dtype` is float32 (docs/usage.md#loading)
+    reloaded, info = FishOmniForSpeech.from_pretrained(tmp_path, dtype=dtype, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert reloaded.lm_head.weight.dtype == dtype and next(reloaded.codec.parameters()).dtype == torch.float32
     _assert_same_outputs(model, reloaded, prompt)

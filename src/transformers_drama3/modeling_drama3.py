@@ -21,6 +21,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextM
 from transformers.utils import ModelOutput
 
 from . import compat
+from .checkpoint_location import checkpoint_directory
 from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, expected_checkpoint_tensors
 from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
 from .configuration_drama3 import FishOmniConfig
@@ -418,10 +419,12 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec comes from
         `codec.pth`, whole, in float32 whatever `dtype` is, on the device where the model takes its inputs or the one
         `device_map` names for `"codec"` (never offloaded; `model.codec.to(...)` changes device or dtype afterwards).
-        See docs/loading.md and docs/hardware.md.
+        Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32 (`default_dtype`),
+        elsewhere in the checkpoint's bfloat16. See docs/loading.md and docs/hardware.md.
         """
         parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
+        default_dtype(kwargs)
         config = kwargs.pop("config", None)
         if config is None:
             config = FishOmniConfig.from_pretrained(directory)
@@ -488,13 +491,22 @@ def _mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
 
 def _local_checkpoint_directory(name_or_path: str | os.PathLike, kwargs: dict) -> str:
     """A local directory holding the whole checkpoint; Hub repository ids are downloaded first."""
-    name_or_path = str(name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from huggingface_hub import snapshot_download
-
     hub_kwargs = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
-    return snapshot_download(name_or_path, **hub_kwargs)
+    return checkpoint_directory(name_or_path, **hub_kwargs)
+
+
+def default_dtype(kwargs: dict) -> None:
+    """Without a `dtype` (or with `"auto"`) on a machine with no GPU, load in float32 instead of the checkpoint's
+    bfloat16: most CPUs compute bfloat16 slowly, and its rounding makes a greedy batch differ from greedy single
+    runs. With a GPU (even when loading to the CPU first, to move the model later) the checkpoint's dtype stays.
+    docs/usage.md#loading."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype not in (None, "auto") or torch.cuda.is_available() or torch.xpu.is_available():
+        return
+    if torch.backends.mps.is_available():
+        return
+    kwargs.pop("torch_dtype", None)
+    kwargs["dtype"] = torch.float32
 
 
 __all__ = ["Drama3SpeechOutput", "FishOmniForSpeech", "FishOmniPreTrainedModel"]

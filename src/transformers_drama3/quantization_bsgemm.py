@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -62,6 +63,13 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         return []
 
     def validate_environment(self, *args, **kwargs):
+        # Without a GPU the FP8 experts are dequantised, and said so in `update_dtype`, which knows the dtype they
+        # get (transformers' own message would say "bf16" whatever the load's dtype is).
+        self.dequantising_without_gpu = self.pre_quantized and not self.quantization_config.dequantize and not (
+            torch.cuda.is_available() or torch.xpu.is_available()
+        )
+        if self.dequantising_without_gpu:
+            self.quantization_config.dequantize = True
         super().validate_environment(*args, **kwargs)
         if self.pre_quantized and not self.quantization_config.dequantize:
             reason = fp8_kernel_problem()
@@ -77,6 +85,16 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         # the weights as they are (compat: transformers 5.17 would try to reverse the dequantisation).
         super().remove_quantization_config(model)
         compat.forget_loading_conversions(model)
+
+    def update_dtype(self, dtype):
+        dtype = super().update_dtype(dtype)
+        if getattr(self, "dequantising_without_gpu", False):
+            logger.warning_once(
+                f"bsgemm-moe: there is no GPU, so the checkpoint's FP8 routed experts are dequantised to "
+                f"{str(dtype).removeprefix('torch.')} while loading (the same weights at full precision: "
+                f"{torch.finfo(dtype).bits // 8} bytes each instead of 1)."
+            )
+        return dtype
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         # Everything outside the routed experts is bf16 in the checkpoint and must stay a plain module. transformers

@@ -57,7 +57,7 @@ def main() -> None:
     settings = {"max_new_tokens": 16} if args.model is None else {}  # the tiny checkpoint rarely stops by itself
     speech = model.generate(**inputs, seed=0, **settings)
     processor.save_audio(speech.audio[0], args.output)
-    print(f"{args.output}: {speech.audio[0].shape[-1] / speech.sampling_rate:.2f} s ({speech.finish_reason[0]})")
+    print(f"{args.output}: {speech.audio[0].shape[-1] / model.config.sampling_rate:.2f} s ({speech.finish_reason[0]})")
 
     if args.save:
         model.save_pretrained(args.save)  # original layout + codec.pth; loads back with no flag

@@ -243,7 +243,7 @@ def test_usage_errors_exit_2(capsys, args, message):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--temperature", "0"), ("--top-p", "1.5"), ("--top-k", "0"), ("--max-new-tokens", "0")],
+    [("--temperature", "0"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--max-new-tokens", "0")],
 )
 def test_sampling_settings_are_checked_by_the_model_rules_before_loading(capsys, flag, value):
     """One source of truth: `generation_settings` decides, the message names the flag."""

@@ -17,6 +17,7 @@ differ by float32 rounding: sqrt(n) * eps32 relative for an accumulation over n 
 changes hidden states by 1e-2 or more.
 """
 
+import copy
 import threading
 
 import pytest
@@ -319,3 +320,10 @@ def test_cuda_graph_replays_give_the_eager_frames(expected):
     assert all(torch.equal(x, y) for x, y in zip(inline.chunks, overlapped.chunks)) and len(inline.chunks) > 2
     model.reset_frame_states()
     assert frame_states(model).states == {}
+
+
+def test_a_model_that_generated_can_be_deep_copied(model, prompt):
+    model.generate(prompt, do_sample=False, max_new_tokens=2, output_audio=False)
+    copied = copy.deepcopy(model)  # the states hold a lock, which cannot be copied: a copy starts without them
+    assert torch.equal(copied.generate(prompt, do_sample=False, max_new_tokens=4, output_audio=False).sequences,
+                       model.generate(prompt, do_sample=False, max_new_tokens=4, output_audio=False).sequences)

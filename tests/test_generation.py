@@ -37,7 +37,6 @@ def test_greedy_generation_reproduces_golden(model, prompt, expected):
     generated = out.sequences[0, prompt.shape[1] :]
     assert torch.equal(generated, expected["greedy_frames"])
     assert out.audio[0].shape == (expected["greedy_codes"].shape[0] * 2048,) and out.audio[0].dtype == torch.float32
-    assert out.sampling_rate == 44100
 
 
 @pytest.mark.parametrize(

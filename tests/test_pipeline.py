@@ -122,3 +122,16 @@ def test_rows_padded_by_the_pipeline_collator_become_the_processors_batch(tts):
     input_ids, attention_mask = left_pad_rows(collated["input_ids"], collated["attention_mask"])
     expected = tts.processor(texts)
     assert torch.equal(input_ids, expected["input_ids"]) and torch.equal(attention_mask, expected["attention_mask"])
+
+
+def test_batch_size_two_gives_one_result_per_text_equal_to_single_calls(tts):
+    """`pipeline(..., batch_size=2)` on 3 texts: the collator's right-padded rows are realigned by `generate`, and the
+    pipeline splits the batched output into one result per text, each equal to the text alone (greedy)."""
+    texts = ["Hello there.", "Hi.", "<|speaker:1|> Good morning, everyone."]
+    tts.tokenizer.pad_token = tts.tokenizer.eos_token  # the checkpoint's tokenizer has no pad token (docs/usage.md)
+    batched = tts(texts, batch_size=2, generate_kwargs={"do_sample": False, "max_new_tokens": 6})
+    single = [tts(text, generate_kwargs={"do_sample": False, "max_new_tokens": 6}) for text in texts]
+    assert len(batched) == 3
+    for together, alone in zip(batched, single):
+        assert together["sampling_rate"] == alone["sampling_rate"] == 44100
+        np.testing.assert_array_equal(together["audio"], alone["audio"])

@@ -28,6 +28,7 @@ from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
 from .frame_step import FrameState, attention_window, row_limit
 from .parallel import check_fast_decode_allowed, shared_seed
+from .processing_drama3 import left_pad_rows
 from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
@@ -75,7 +76,6 @@ class Drama3GenerateOutput(ModelOutput):
     codes: list[torch.LongTensor] | None = None
     audio: list[torch.Tensor] | None = None
     finish_reason: list[str] | None = None
-    sampling_rate: int | None = None
     scores: tuple[torch.Tensor, ...] | None = None
 
 
@@ -173,6 +173,10 @@ class FrameStates:
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread running a request
 
+    def __deepcopy__(self, memo):
+        """A copied model starts without states (they are rebuilt for it on its first call)."""
+        return None
+
     @staticmethod
     def model_fingerprint(model) -> tuple:
         """Changes when parameters are replaced or moved (a captured graph reads them at fixed addresses)."""
@@ -252,6 +256,13 @@ def check_cuda_graphs(model) -> None:
             f"mask; {attention!r} unpads rows on the host. Load with attn_implementation='sdpa' (or use "
             "fast_decode=False)"
         )
+
+
+def padded_on_the_right(attention_mask: torch.Tensor) -> bool:
+    """Whether a 0/1 mask `[B, T]` has padding only on the right of some sequence (ones, then zeros)."""
+    mask = attention_mask.bool()
+    ones_then_zeros = ~(mask[:, 1:] & ~mask[:, :-1]).any(-1)  # no 0 -> 1 step
+    return bool((ones_then_zeros & ~mask[:, -1] & mask.any(-1)).any() and ones_then_zeros.all())
 
 
 def request_generators(seed, generator, batch: int, device: torch.device):
@@ -518,6 +529,11 @@ class Drama3GenerationMixin(GenerationMixin):
             logits_processor = LogitsProcessorList(logits_processor)
         if stopping_criteria is not None and not isinstance(stopping_criteria, StoppingCriteriaList):
             stopping_criteria = StoppingCriteriaList(stopping_criteria)
+        if isinstance(attention_mask, torch.Tensor) and isinstance(input_ids, torch.Tensor) and input_ids.dim() == 3:
+            # Padding on the right (transformers' pipeline collator pads that way, with its pad id in every column)
+            # moves to the left, as all-zero rows; padding inside a sequence is refused below.
+            if attention_mask.shape == input_ids.shape[:2] and padded_on_the_right(attention_mask):
+                input_ids, attention_mask = left_pad_rows(input_ids, attention_mask)
         self.check_frames(input_ids)
         batch = input_ids.shape[0]
         input_ids = input_ids.to(self.input_device, torch.long)
@@ -548,7 +564,7 @@ class Drama3GenerationMixin(GenerationMixin):
         audio = [self.codec.decode(c[None].to(execution_device(self.codec)))[0] for c in codes] if output_audio else None
         return Drama3GenerateOutput(
             sequences=sequences, codes=codes, audio=audio, finish_reason=loop.finish_reason,
-            sampling_rate=self.config.sampling_rate, scores=tuple(loop.scores) if settings.output_scores else None,
+            scores=tuple(loop.scores) if settings.output_scores else None,
         )
 
 

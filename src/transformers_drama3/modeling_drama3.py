@@ -72,7 +72,11 @@ class FishOmniPreTrainedModel(PreTrainedModel):
     config_class = FishOmniConfig
     base_model_prefix = ""
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    # Backbone decoder layers and tower layers are `GradientCheckpointingLayer`s (docs/finetuning.md).
+    supports_gradient_checkpointing = True
+    # The loss is two means (main tokens, codebooks) over different counts: `Trainer` must not pass
+    # `num_items_in_batch`; it scales the loss for gradient accumulation itself.
+    accepts_loss_kwargs = False
     # accelerate keeps each of these on one device: a backbone layer, the whole tower, the whole codec.
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3CodebookTower", "FishDACCodec"]
     # The codec's weights come from codec.pth, not from the safetensors files.
@@ -116,6 +120,14 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         `[..., D]`; `candidates` are `main_candidate_ids` when already at hand."""
         candidates = self.main_candidate_ids(hidden.device) if candidates is None else candidates
         return self.lm_head(hidden).index_select(-1, candidates)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The backbone's token embedding (text ids and the main id of audio rows); peft and gradient checkpointing
+        hook it."""
+        return self.backbone.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.backbone.embed_tokens = value
 
     @property
     def input_device(self) -> torch.device:

@@ -199,7 +199,8 @@ def test_metadata_csv_in_the_ljspeech_layout(tmp_path):
         "LJ001-0001|Printing, in the 1st sense|Printing, in the first sense\n"
         'LJ001-0002|He said "no" twice.\n'
         "LJ001-0003|\n"
-        "LJ009-9999|No such recording.\n",
+        "LJ009-9999|No such recording.\n"
+        "LJ001-0002|Listed again.\n",
         encoding="utf-8",
     )
     recordings, skipped = find_recordings(tmp_path)
@@ -209,7 +210,8 @@ def test_metadata_csv_in_the_ljspeech_layout(tmp_path):
     ]
     assert recordings[0].audio_path == tmp_path / "wavs" / "LJ001-0001.wav"
     assert [(s.name, s.reason.split(":")[0]) for s in skipped] == [
-        ("LJ001-0003", "transcript missing"), ("metadata.csv line 4: LJ009-9999", "audio file not found")
+        ("LJ001-0002", "listed twice in metadata.csv"), ("LJ001-0003", "transcript missing"),
+        ("metadata.csv line 4: LJ009-9999", "audio file not found"),
     ]
 
 
@@ -305,6 +307,7 @@ def test_presets_adapt_backbone_and_tower_but_never_the_codec(prepared, model):
     assert torch.equal(base.codebook_logits, adapted_out.codebook_logits)
     assert torch.equal(base.loss, adapted_out.loss)
 
+    assert peft_model.get_input_embeddings() is peft_model.get_base_model().backbone.embed_tokens
     small = get_peft_model(_fresh_model(), drama3_lora_config("attention"))
     assert not any("tower" in name or "expert" in name for name, _ in small.named_parameters() if ".lora_" in name)
 

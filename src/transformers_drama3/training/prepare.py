@@ -41,7 +41,6 @@ from ..modeling_codec import FishDACCodec, load_codec_state_dict
 from ..modeling_drama3 import CODEC_FILE, IGNORE_INDEX, load_codec_weights
 from ..processing_drama3 import Drama3Processor
 from ..speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE
-from ..voice import Drama3Voice
 from .recordings import Recording, SkippedClip, find_recordings
 
 DATASET_DIR = "dataset"

@@ -52,8 +52,17 @@ def find_recordings(data_dir: str | os.PathLike) -> tuple[list[Recording], list[
         raise FileNotFoundError(f"data folder {str(data_dir)!r} does not exist or is not a folder")
     metadata = data_dir / METADATA_FILE
     found = _from_metadata(data_dir, metadata) if metadata.is_file() else _from_transcript_files(data_dir)
-    recordings = sorted((item for item in found if isinstance(item, Recording)), key=lambda r: r.name)
-    skipped = sorted((item for item in found if isinstance(item, SkippedClip)), key=lambda s: s.name)
+    recordings, skipped, names = [], [], set()
+    for item in found:
+        if isinstance(item, Recording) and item.name in names:
+            item = SkippedClip(item.name, f"listed twice in {METADATA_FILE}: the first line is used")
+        if isinstance(item, Recording):
+            names.add(item.name)
+            recordings.append(item)
+        else:
+            skipped.append(item)
+    recordings.sort(key=lambda recording: recording.name)
+    skipped.sort(key=lambda clip: clip.name)
     if not recordings and not skipped:
         raise ValueError(
             f"no recordings in {str(data_dir)!r}: put audio files ({', '.join(AUDIO_SUFFIXES)}) with a .txt or .lab "

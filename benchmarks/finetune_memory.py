@@ -16,10 +16,9 @@ Three parts, all for bf16 base weights with LoRA weights in float32 and bf16 aut
   kernels (no flash-linear-attention).
 
 With checkpointing, each of the 53 checkpointed layers keeps only its input (`[rows, 2048]` bf16) and one layer is
-recomputed at a time during backward; the peak adds that layer's activations. Transients not saved for backward
-(the full-vocabulary `lm_head` output, 248 320 bf16 logits per row, before the EOS + semantic columns are picked) are
-added to the peak. Not counted: gradients of activations during backward (with the experts adapted, the gradient of
-one layer's merged experts) and allocator fragmentation.
+recomputed at a time during backward; the peak adds that layer's activations. Not counted: transients that are not
+saved for backward, gradients of activations during backward (with the experts adapted, the gradient of one layer's
+merged experts) and allocator fragmentation.
 
     python benchmarks/finetune_memory.py              # prints the tables of docs/finetuning.md (about 8 minutes)
     python benchmarks/finetune_memory.py --rows 256 --json memory.json
@@ -191,13 +190,12 @@ def main() -> None:
               f"fixed GB {({k: round(v / GB, 3) for k, v in fixed[preset].items()})}")
 
     checkpoint_input = text.hidden_size * 2  # bf16 hidden state kept per checkpointed layer and row
-    logits_transient = text.vocab_size * 2  # bf16 full-vocabulary lm_head output per row
 
     def activations(preset: str, rows: int, checkpointing: bool) -> float:
         def layer(region: str, count: int = 1) -> float:  # one layer of `region` (the tower: all 13 / count)
             return (fixed[preset][region] + rows * per_row[preset][region]) / count
 
-        other = layer("other") + rows * logits_transient
+        other = layer("other")
         if not checkpointing:
             return other + linear_layers * layer("linear_attention_layer") + full_layers * layer("full_attention_layer") \
                 + layer("tower")

@@ -1,11 +1,12 @@
-"""The fast decode path: `generate(..., fast_decode=True)` against the regular loop, same settings, same frames.
+"""Running the frame step fast: `generate(..., fast_decode=True)` (a CUDA graph per frame) and `compile_step=True`
+(torch.compile first), against the eager step: same settings, same frames.
 
-    python examples/fast_decode.py [--model fishaudio/drama-3] [--batch 4] [--frames 64]
+    python examples/fast_decode.py [--model fishaudio/drama-3] [--batch 4] [--frames 64] [--compile]
 
-Runs a greedy batch on both paths, checks that the frames are identical, and prints the time per frame of each.
-On a GPU the fast path replays one captured CUDA graph per frame; its first call also allocates its state and
-captures the graph, so it is timed apart (later calls reuse both). On a CPU there is no graph and the two paths
-cost about the same. Without `--model` the embedded tiny random checkpoint is used.
+Runs a greedy batch each way, checks that the frames are identical, and prints the time per frame of each. The
+first call of a way also compiles and captures, so it is timed apart (later calls reuse both). On a CPU there is no
+graph to capture: `fast_decode=True` runs the same eager step there. `--compile` adds the compiled step (minutes of
+compiling on a CPU). Without `--model` the embedded tiny random checkpoint is used.
 """
 
 import time
@@ -28,6 +29,7 @@ def main() -> None:
     parser = example_parser(__doc__)
     parser.add_argument("--batch", type=int, default=4, help="texts generated together (default 4)")
     parser.add_argument("--frames", type=int, default=64, help="frames per text (default 64, ~3 s of audio)")
+    parser.add_argument("--compile", action="store_true", help="also run the compiled step (compile_step=True)")
     args = parser.parse_args()
 
     model, processor = load_model_and_processor(args.model)
@@ -35,20 +37,22 @@ def main() -> None:
              for i in range(args.batch)]
     inputs = processor(texts).to(model.device)
     settings = {"do_sample": False, "max_new_tokens": args.frames, "output_audio": False}
+    ways = {"eager step": {}, "fast_decode=True": {"fast_decode": True}}
+    if args.compile:
+        ways["fast_decode + compile_step"] = {"fast_decode": True, "compile_step": True}
 
-    regular, regular_s = timed_generate(model, inputs, **settings)
-    _, cold_s = timed_generate(model, inputs, fast_decode=True, **settings)  # builds the state (and captures)
-    fast, fast_s = timed_generate(model, inputs, fast_decode=True, **settings)
-
-    same = all(torch.equal(a, b) for a, b in zip(regular.codes, fast.codes))
-    frames = max(codes.shape[1] for codes in regular.codes)
-    print(f"{args.batch} texts, up to {frames} frames each; identical frames on both paths: {same}")
-    print(f"regular loop:           {1e3 * regular_s / frames:8.1f} ms per frame")
-    print(f"fast path, first call:  {1e3 * cold_s / frames:8.1f} ms per frame (allocates its state"
-          f"{', captures the CUDA graph' if torch.cuda.is_available() else ''})")
-    print(f"fast path, later calls: {1e3 * fast_s / frames:8.1f} ms per frame ({regular_s / fast_s:.2f}x the regular loop)")
-    print(f"one frame is {1e3 * 2048 / model.config.sampling_rate:.1f} ms of audio")
-    model.reset_fast_decode()  # frees the fast path's buffers and graphs
+    eager, eager_s = timed_generate(model, inputs, **settings)
+    frames = max(codes.shape[1] for codes in eager.codes)
+    print(f"{args.batch} texts, up to {frames} frames each; one frame is "
+          f"{1e3 * 2048 / model.config.sampling_rate:.1f} ms of audio")
+    print(f"{'eager step':<28}{1e3 * eager_s / frames:8.1f} ms per frame")
+    for name, way in list(ways.items())[1:]:
+        _, cold_s = timed_generate(model, inputs, **way, **settings)  # compiles / captures
+        out, warm_s = timed_generate(model, inputs, **way, **settings)
+        same = all(torch.equal(a, b) for a, b in zip(eager.codes, out.codes))
+        print(f"{name:<28}{1e3 * warm_s / frames:8.1f} ms per frame ({eager_s / warm_s:.2f}x the eager step; first "
+              f"call {cold_s:.1f} s); identical frames: {same}")
+    model.reset_frame_states()  # frees the states and graphs kept for later calls
 
 
 if __name__ == "__main__":

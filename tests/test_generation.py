@@ -1,14 +1,18 @@
 """Speech generation: golden greedy run, the sampling rules, RAS, seeds, batching, streaming, stopping, bad inputs."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import golden_generation_model, left_padded
+from .conftest import FIXTURES, GOLDEN_TINY, golden_generation_model, left_padded
 
 
 @pytest.fixture(scope="module")
@@ -133,17 +137,17 @@ def test_greedy_batch_equals_single_and_finished_sequences_leave_the_batch(model
     a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
     batch, mask = left_padded(a, b)
     sizes = []
-    original = model.tower.decode_frame
+    original = model.tower.decode_codes
 
     def spy(hidden, *args, **kwargs):
         sizes.append(hidden.shape[0])
         return original(hidden, *args, **kwargs)
 
-    model.tower.decode_frame = spy
+    model.tower.decode_codes = spy
     try:
         together = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=18, stop_check_interval=1)
     finally:
-        del model.tower.decode_frame
+        del model.tower.decode_codes
     alone = [model.generate(p[None], do_sample=False, max_new_tokens=18) for p in (a, b)]
     for index, single in enumerate(alone):
         assert torch.equal(together.codes[index], single.codes[0])
@@ -163,10 +167,43 @@ def test_streamed_audio_equals_the_one_shot_audio(model, prompt):
     torch.testing.assert_close(torch.cat(chunks), out.audio[0], atol=5e-5, rtol=0)
 
 
-def test_streaming_needs_batch_one(model, expected):
+def test_a_streamed_batch_gives_each_sequence_its_own_audio_as_soon_as_it_ends(model, expected):
+    """Batch streaming with `on_audio`: each sequence's chunks join into its one-shot audio (the codec's streaming
+    bound, as above), and a sequence's end mark comes right after its last frame, while the other one still runs."""
     batch, mask = left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
-    with pytest.raises(ValueError, match="one sequence at a time"):
+    events = []
+    streamer = Drama3AudioStreamer(model.codec, chunk_frames=3, on_audio=lambda i, chunk: events.append((i, chunk)))
+    out = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=18, streamer=streamer)
+    assert out.finish_reason[0] == "eos" and out.codes[0].shape[1] == 12 and out.codes[1].shape[1] > 12
+    for index in range(2):
+        chunks = [chunk for i, chunk in events if i == index]
+        assert chunks[-1] is None and all(c is not None for c in chunks[:-1])
+        torch.testing.assert_close(torch.cat(chunks[:-1]), out.audio[index], atol=5e-5, rtol=0)
+    end_of_a = events.index((0, None))
+    assert any(i == 1 and chunk is not None for i, chunk in events[end_of_a:])  # b still streamed after a ended
+
+
+def test_a_batch_without_on_audio_is_a_clear_error(model, expected):
+    batch, mask = left_padded(expected["prompt_a_rows"], expected["prompt_b_rows"])
+    with pytest.raises(ValueError, match="on_audio"):
         model.generate(batch, attention_mask=mask, streamer=Drama3AudioStreamer(model.codec), max_new_tokens=2)
+
+
+def test_a_seed_per_sequence_samples_each_sequence_as_it_samples_alone(model, expected):
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    batch, mask = left_padded(a, b)
+    together = model.generate(batch, attention_mask=mask, seed=[3, 5], max_new_tokens=10, output_audio=False)
+    alone = [model.generate(p[None], seed=s, max_new_tokens=10, output_audio=False) for p, s in ((a, 3), (b, 5))]
+    for index, single in enumerate(alone):
+        assert torch.equal(together.codes[index], single.codes[0])
+        assert together.finish_reason[index] == single.finish_reason[0]
+    generators = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(5)]
+    again = model.generate(batch, attention_mask=mask, generator=generators, max_new_tokens=10, output_audio=False)
+    assert torch.equal(again.sequences, together.sequences)
+    with pytest.raises(ValueError, match="one 64-bit integer per sequence"):
+        model.generate(batch, attention_mask=mask, seed=[1], max_new_tokens=2)
+    with pytest.raises(ValueError, match="either seed or generator"):
+        model.generate(batch, attention_mask=mask, seed=1, generator=generators, max_new_tokens=2)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +235,96 @@ def test_greedy_needs_no_positive_temperature(model, prompt):
     assert out.audio is None and out.codes[0].shape[1] == 3
 
 
+class StopAt(StoppingCriteria):
+    """Stops sequence 0 once it has `frames` frames (a criterion sees the prompt rows and the frames so far)."""
+
+    def __init__(self, rows: int, frames: int):
+        self.rows, self.frames, self.calls = rows, frames, []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.calls.append((tuple(input_ids.shape), tuple(scores.shape)))
+        stop = torch.zeros(input_ids.shape[0], dtype=torch.bool)
+        stop[0] = input_ids.shape[1] - self.rows >= self.frames
+        return stop
+
+
+def test_a_stopping_criterion_stops_its_sequence_at_its_frame(model, expected):
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    batch, mask = left_padded(a, b)
+    criterion = StopAt(batch.shape[1], 3)
+    out = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=14,
+                         stopping_criteria=StoppingCriteriaList([criterion]), output_audio=False)
+    alone = model.generate(b[None], do_sample=False, max_new_tokens=14, output_audio=False)
+    assert out.finish_reason[0] == "stop" and out.codes[0].shape[1] == 3
+    assert torch.equal(out.codes[1], alone.codes[0]) and out.finish_reason[1] == alone.finish_reason[0]
+    rows, candidates = batch.shape[1], model.config.codebook_size + 1
+    assert criterion.calls[0] == ((2, rows + 1, 11), (2, candidates)) and criterion.calls[2] == ((2, rows + 3, 11), (2, candidates))
+
+
+class ForceEos(LogitsProcessor):
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, input_ids, scores):
+        self.calls.append(tuple(input_ids.shape))
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, 0] = 0.0  # column 0 is EOS
+        return forced
+
+
+def test_a_logits_processor_that_forces_eos_ends_at_the_first_frame(model, prompt):
+    processor = ForceEos()
+    out = model.generate(prompt, seed=0, max_new_tokens=8, logits_processor=LogitsProcessorList([processor]))
+    assert out.finish_reason == ["eos"] and out.codes[0].shape == (10, 0) and out.audio[0].shape == (0,)
+    assert processor.calls == [(1, prompt.shape[1], 11)]  # the rows before the frame
+
+
+def test_output_scores_are_the_main_token_candidate_logits_of_each_frame(model, prompt):
+    out = model.generate(prompt, do_sample=False, max_new_tokens=16, output_scores=True, output_audio=False)
+    frames = out.codes[0].shape[1]
+    assert len(out.scores) == frames + 1  # the last frame drew EOS
+    columns = [int(scores[0].argmax()) for scores in out.scores]
+    assert columns[-1] == 0 and columns[:-1] == (out.codes[0][0] + 1).tolist()  # column 1 + c0 is <|semantic:c0|>
+    with torch.no_grad():
+        full = model(out.sequences).main_logits[0, prompt.shape[1] - 1 :]  # the rows that predicted each frame
+    torch.testing.assert_close(torch.stack([s[0] for s in out.scores[:-1]]), full[:-1], atol=1e-4, rtol=1e-4)
+    assert model.generate(prompt, do_sample=False, max_new_tokens=2, output_audio=False).scores is None
+
+
+def test_settings_that_do_not_apply_are_named(model, prompt):
+    with pytest.raises(ValueError, match=r"\['num_beams'\]"):
+        model.generate(prompt, generation_config=GenerationConfig(num_beams=4), max_new_tokens=2)
+    with pytest.raises(TypeError, match="max_length"):
+        model.generate(prompt, max_length=20)
+    out = model.generate(prompt, generation_config=model.generation_config, do_sample=False, max_new_tokens=2)
+    assert out.codes[0].shape[1] == 2
+
+
+def test_memory_follows_the_frames_made_not_max_new_tokens(tmp_path):
+    """A fresh process's peak memory (ru_maxrss) after a call with `max_new_tokens=10**9` exceeds its peak after the
+    same greedy take (12 frames) with `max_new_tokens=64` by less than 32 MiB. Sizing any buffer by max_new_tokens
+    would need about 88 GB for the output rows alone (10**9 x 11 int64); buffers sized by the frames made (in chunks
+    of 256 frames) need a few MiB at most."""
+    script = tmp_path / "peak.py"
+    script.write_text(
+        "import resource, sys, torch\n"
+        "from safetensors.torch import load_file\n"
+        "from transformers_drama3 import FishOmniForSpeech\n"
+        f"model = FishOmniForSpeech.from_pretrained({str(GOLDEN_TINY)!r}, dtype=torch.float32)\n"
+        f"prompt = load_file({str(FIXTURES / 'expected.safetensors')!r})['prompt_a_rows'][None]\n"
+        "model.generate(prompt, do_sample=False, max_new_tokens=64, output_audio=False)\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "out = model.generate(prompt, do_sample=False, max_new_tokens=10**9, output_audio=False)\n"
+        "after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "print(out.codes[0].shape[1], (after - before) // 1024)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    frames, grown_mib = map(int, result.stdout.split())
+    assert frames == 12
+    assert grown_mib < 32, f"peak memory grew by {grown_mib} MiB for max_new_tokens=10**9"
+
+
 def test_settings_live_on_the_generation_config(model, prompt):
     assert model.generation_config.ras_window == 16 and model.generation_config.codebook_top_k == 30
     assert model.generation_config.top_k is None and model.generation_config.top_p == 0.9
@@ -214,9 +341,13 @@ def test_settings_live_on_the_generation_config(model, prompt):
     "kwargs,error,needle",
     [
         ({"max_new_tokens": 0}, ValueError, "max_new_tokens"),
-        ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
+        ({"temperature": 0.0}, ValueError, "temperature must be a finite number > 0"),
+        ({"temperature": float("nan")}, ValueError, "temperature must be a finite number > 0"),
+        ({"codebook_temperature": float("inf")}, ValueError, "codebook_temperature must be a finite number"),
         ({"codebook_temperature": -1.0}, ValueError, "codebook_temperature"),
-        ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 0.0}, ValueError, r"top_p must be a number in \(0, 1\]"),
+        ({"max_new_tokens": "3"}, ValueError, "max_new_tokens"),
+        ({"seed": 2**70}, ValueError, "seed must be a 64-bit integer"),
         ({"ras_top_p": 1.5}, ValueError, "ras_top_p"),
         ({"temprature": 0.5}, TypeError, "temprature"),
         ({"num_beams": 4}, TypeError, "num_beams"),
@@ -234,13 +365,12 @@ def test_bad_input_rows(model):
         model.generate(torch.zeros(1, 0, 11, dtype=torch.long))
 
 
-@pytest.mark.parametrize("fast_decode", [False, True])
-def test_overlapped_streaming_gives_the_same_chunks(model, prompt, fast_decode):
+def test_overlapped_streaming_gives_the_same_chunks(model, prompt):
     """`overlap=True` decodes in a worker thread: the same chunks in the same order as decoding in line."""
     inline = Drama3AudioStreamer(model.codec, chunk_frames=3, first_chunk_frames=1)
     overlapped = Drama3AudioStreamer(model.codec, chunk_frames=3, first_chunk_frames=1, overlap=True)
-    a = model.generate(prompt, seed=3, max_new_tokens=11, streamer=inline, fast_decode=fast_decode)
-    b = model.generate(prompt, seed=3, max_new_tokens=11, streamer=overlapped, fast_decode=fast_decode)
+    a = model.generate(prompt, seed=3, max_new_tokens=11, streamer=inline)
+    b = model.generate(prompt, seed=3, max_new_tokens=11, streamer=overlapped)
     assert torch.equal(a.sequences, b.sequences)
     assert [c.shape for c in overlapped.chunks] == [c.shape for c in inline.chunks] and len(inline.chunks) > 2
     assert all(torch.equal(x, y) for x, y in zip(overlapped.chunks, inline.chunks))

@@ -232,26 +232,39 @@ def test_float_input_ids(golden_model):
 def test_main_id_outside_vocabulary(golden_model):
     rows = torch.zeros(1, 3, 11, dtype=torch.long)
     rows[0, 1, 0] = 10_000
-    with pytest.raises(ValueError, match="outside the text vocabulary"):
+    with pytest.raises(ValueError, match=r"input_ids\[0, 1, 0\] = 10000: main ids must lie in the text vocabulary"):
         golden_model(rows)
 
 
 def test_codes_on_a_text_row(golden_model):
     rows = torch.zeros(1, 3, 11, dtype=torch.long)
     rows[0, 1, 0], rows[0, 1, 5] = 17, 3
-    with pytest.raises(ValueError, match="main id outside the semantic band"):
+    with pytest.raises(ValueError, match=r"input_ids\[0, 1, 5\] = 3: a text row .* must have all codes 0"):
         golden_model(rows)
 
 
-def test_out_of_range_codes_are_clamped(golden_model, expected):
+@pytest.mark.parametrize("column,value", [(3, -7), (1, -1), (10, 64), (5, 10_000)])
+def test_out_of_range_codes_are_refused_naming_the_row_and_column(golden_model, expected, column, value):
+    """Codes of an audio row outside [0, V) (V = 64 here) are refused, the first offending entry named."""
     rows = expected["tf_rows"][None, -20:].clone()
-    audio = golden_model.is_audio_row(rows[..., 0])
-    wild = rows.clone()
-    wild[..., 3:][audio] += 10 * golden_model.config.codebook_size  # codebooks 2..9 far out of range
-    clamped = rows.clone()
-    clamped[..., 3:][audio] = golden_model.config.codebook_size - 1
-    with torch.no_grad():
-        torch.testing.assert_close(golden_model(wild).main_logits, golden_model(clamped).main_logits)
+    row = int(golden_model.is_audio_row(rows[0, :, 0]).nonzero()[2, 0])
+    rows[0, row, column] = value
+    if column == 1:  # c0 is also the main id's offset: keep the row consistent so the range check is what fires
+        rows[0, row, 0] = golden_model.config.semantic_start_token_id + value
+    with pytest.raises(ValueError, match=rf"input_ids\[0, {row}, {column}\] = {value}"):
+        golden_model(rows)
+    with pytest.raises(ValueError, match=rf"input_ids\[0, {row}, {column}\] = {value}"):
+        golden_model.generate(rows, max_new_tokens=1)
+
+
+def test_an_all_zero_attention_mask_row_is_refused(golden_model, expected):
+    rows = expected["tf_rows"][None, :6].expand(2, -1, -1)
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[1] = 0
+    with pytest.raises(ValueError, match="attention_mask row 1 is all zeros"):
+        golden_model(rows, attention_mask=mask)
+    with pytest.raises(ValueError, match="attention_mask row 1 is all zeros"):
+        golden_model.generate(rows, attention_mask=mask, max_new_tokens=1)
 
 
 def test_cache_from_another_batch_size(golden_model, expected):

@@ -390,7 +390,7 @@ def test_merged_model_matches_adapters_and_saves_in_the_original_layout(trained,
     assert torch.equal(loaded.generate(prompt, do_sample=False, max_new_tokens=6, output_audio=False).sequences,
                        adapted_frames)
 
-    merged = copy.deepcopy(peft_model).merge_and_unload()
+    merged = loaded.merge_and_unload()  # the adapter as saved and loaded, folded into the weights
     assert not any("lora" in name for name, _ in merged.named_parameters())
     assert merged.backbone.layers[0].mlp.experts.gate_up_proj.dim() == 3
     with torch.no_grad():

@@ -15,6 +15,7 @@ from .generation_drama3 import Drama3GenerateOutput
 from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
 from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
+from .parallel import Drama3ParallelError
 from .processing_drama3 import Drama3Processor
 from .streaming import Drama3AudioStreamer
 from .quantization_bsgemm import BsgemmMoeConfig, register_bsgemm_moe
@@ -42,6 +43,7 @@ __all__ = [
     "Drama3CodebookTower",
     "Drama3ConfigError",
     "Drama3GenerateOutput",
+    "Drama3ParallelError",
     "Drama3Processor",
     "Drama3Speech",
     "Drama3SpeechOutput",

@@ -38,10 +38,19 @@ def audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
     return file_format, subtype
 
 
+# Sampling rates audio is read at or resampled from: telephone-band recordings up to 768 kHz studio audio. Outside,
+# a resampling to 44.1 kHz would need an absurd filter or output (a 1 Hz "recording" becomes 44100x longer).
+MIN_SAMPLING_RATE, MAX_SAMPLING_RATE = 1000, 768000
+
+
 def check_sampling_rate(sampling_rate: Any, where: str) -> int:
-    """`sampling_rate` as a positive int, or a ValueError naming `where`."""
+    """`sampling_rate` as an int in [MIN_SAMPLING_RATE, MAX_SAMPLING_RATE] Hz, or a ValueError naming `where`."""
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
         raise ValueError(f"{where}: sampling_rate must be a positive integer; got {sampling_rate!r}")
+    if not MIN_SAMPLING_RATE <= sampling_rate <= MAX_SAMPLING_RATE:
+        raise ValueError(
+            f"{where}: sampling_rate {sampling_rate} Hz is outside [{MIN_SAMPLING_RATE}, {MAX_SAMPLING_RATE}] Hz"
+        )
     return int(sampling_rate)
 
 
@@ -127,6 +136,8 @@ def resample_audio(audio: torch.Tensor, orig_rate: int, target_rate: int) -> tor
         raise ValueError(f"sample rates must be positive, got {orig_rate} -> {target_rate}")
     if orig_rate == target_rate:
         return audio
+    check_sampling_rate(orig_rate, "resample_audio")
+    check_sampling_rate(target_rate, "resample_audio")
     divisor = math.gcd(orig_rate, target_rate)
     down, up = orig_rate // divisor, target_rate // divisor
     cutoff = _RESAMPLE_ROLLOFF * min(1.0, up / down)  # in cycles per two input samples (1 = input Nyquist)

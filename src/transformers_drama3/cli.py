@@ -3,10 +3,14 @@
     drama3-tts --tiny "Hello there." --output hello.wav --max-new-tokens 32
     drama3-tts --model fishaudio/drama-3 --text-file story.txt --output story.flac --seed 1
     drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.wav --voice me.voice.safetensors
+    torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
 
 Everything that can be checked before loading the model (arguments, text, output path, voice files) is checked
 first. Errors print one line on stderr and exit with status 1 (2 for a malformed command line); the output file
 is written atomically, so a failed or interrupted run leaves no partial file.
+
+Under `torchrun` the model is split over the ranks (`--parallel`, docs/hardware.md): rank 0 alone reads the text
+and voice files, checks the output path, prints and writes; every rank computes the same frames.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 import torch
 from transformers.utils import logging as transformers_logging
 
+from . import parallel
 from .audio_io import audio_file_format, write_atomically
 from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS as DEFAULTS
 from .modeling_drama3 import FishOmniForSpeech
@@ -100,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--fast-decode", action="store_true",
                      help="preallocated frame step, one CUDA graph per frame on a GPU (docs/usage.md)")
     run.add_argument("--device", default="auto", help='"cpu", "cuda", "cuda:1", ... (default: cuda if available)')
+    run.add_argument("--parallel", choices=["tensor", "expert"],
+                     help="under torchrun: split the backbone over the ranks by tensor parallelism or by whole experts "
+                     "(default: expert); each rank uses GPU LOCAL_RANK, or the CPU")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                      help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU); the codec stays float32")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
@@ -111,6 +119,11 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
     """Command-line shape errors (exit status 2)."""
     if not (args.model or args.tiny):
         parser.error("choose a checkpoint: --model PATH_OR_HUB_ID, or --tiny for the embedded random one")
+    if args.parallel is not None and not parallel.launched_with_torchrun():
+        parser.error("--parallel splits the model over the processes of a torchrun launch: "
+                     "torchrun --nproc-per-node N -m transformers_drama3.cli ...")
+    if parallel.launched_with_torchrun() and args.device != "auto":
+        parser.error("under torchrun each rank uses GPU LOCAL_RANK (or the CPU): leave --device out")
     if args.summary:
         return
     if args.text is not None and args.text_file is not None:
@@ -150,7 +163,9 @@ def check_writable(path: Path) -> None:
 
 def _resolve_device_and_dtype(args: argparse.Namespace):
     device = args.device
-    if device == "auto":
+    if device == "auto" and parallel.launched_with_torchrun():
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    elif device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = args.dtype
     if dtype == "auto":
@@ -165,6 +180,12 @@ def load_model(path: str, device: str, dtype):
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
 
 
+def load_parallel_model(path: str, dtype, expert_parallel: bool):
+    """This rank's share of the model, split over the torchrun ranks (`transformers_drama3.parallel`)."""
+    config = parallel.distributed_config(expert_parallel=expert_parallel)
+    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
+
+
 def _say(args: argparse.Namespace, message: str) -> None:
     if not args.quiet:
         print(message, file=sys.stderr)
@@ -174,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _check_usage(parser, args)
+    if parallel.launched_with_torchrun():
+        parallel.init_process_group()
+        args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
     try:
         with _transformers_quiet(args.quiet):
             return _run(args)
@@ -181,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         print("drama3-tts: interrupted", file=sys.stderr)
         return INTERRUPTED
     except (CommandError, OSError, ValueError, torch.OutOfMemoryError) as error:
-        print(f"drama3-tts: error: {error}", file=sys.stderr)
+        if parallel.is_main_process():
+            print(f"drama3-tts: error: {error}", file=sys.stderr)
         return FAILURE
 
 
@@ -205,16 +230,11 @@ def _run(args: argparse.Namespace) -> int:
     device, dtype = _resolve_device_and_dtype(args)
     if args.summary:
         model = _load(args, path, device, dtype)
-        print(model_summary(model))
+        if parallel.is_main_process():
+            print(model_summary(model))
         return 0
 
-    text = _read_text(args)
-    for output in (args.output, args.save_voice):
-        if output is not None:
-            check_writable(output)
-    if args.output is not None:
-        audio_file_format(args.output)
-    voices = [Drama3Voice.load(file) for file in args.voice]
+    text, voices = parallel.run_on_main_process(_read_inputs, args)
     processor = _loaded(Drama3Processor.from_pretrained, path)
     if text is not None:
         processor.split_text(text, max_bytes=args.chunk_bytes)  # refuses empty or unsafe text before loading
@@ -223,7 +243,8 @@ def _run(args: argparse.Namespace) -> int:
     references = [{"transcript": t, "audio": a} for a, t in zip(args.reference, args.reference_text)] + voices
     if args.save_voice is not None:
         references[0] = processor.create_voice(args.reference_text[0], args.reference[0], codec=model.codec)
-        references[0].save(args.save_voice)
+        if parallel.is_main_process():
+            references[0].save(args.save_voice)
         _say(args, f"saved the voice to {args.save_voice}")
     if text is None:
         return 0
@@ -237,7 +258,23 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list[Drama3Voice]]:
+    """The text and the voice files, with the output paths checked (run by rank 0 alone under torchrun)."""
+    text = _read_text(args)
+    for output in (args.output, args.save_voice):
+        if output is not None:
+            check_writable(output)
+    if args.output is not None:
+        audio_file_format(args.output)
+    return text, [Drama3Voice.load(file) for file in args.voice]
+
+
 def _load(args, path, device, dtype):
+    if parallel.launched_with_torchrun():
+        mode = args.parallel or "expert"
+        _say(args, f"loading {path} split over {parallel.world_size()} ranks ({mode} parallel, "
+             f"{str(dtype).removeprefix('torch.')})")
+        return _loaded(load_parallel_model, path, dtype, mode == "expert")
     _say(args, f"loading {path} on {device} ({str(dtype).removeprefix('torch.')})")
     return _loaded(load_model, path, device, dtype)
 
@@ -265,9 +302,10 @@ def _generation_settings(args: argparse.Namespace) -> dict:
 def _speak(args, model, processor, text, references):
     options = dict(chunk_bytes=args.chunk_bytes, seed=args.seed, show_progress=not args.quiet,
                    **_generation_settings(args))
-    if not args.stream:
+    if not args.stream or not parallel.is_main_process():  # under torchrun only rank 0 writes
         speech = synthesize(model, processor, text, references, **options)
-        processor.save_audio(speech.audio, args.output, speech.sampling_rate)
+        if parallel.is_main_process():
+            processor.save_audio(speech.audio, args.output, speech.sampling_rate)
         return speech
     return stream_to_file(args.output, model, lambda streamer: synthesize(
         model, processor, text, references, streamer=streamer, **options))

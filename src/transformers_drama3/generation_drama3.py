@@ -1,28 +1,37 @@
-"""Speech generation for Drama 3 (SPEC 5.3, 6, 7): the frame loop, its settings, stopping, batching and streaming.
+"""Speech generation for Drama 3: settings, the frame loop around the one frame step, stopping, batching, outputs.
 
-`FishOmniForSpeech.generate(input_ids, ...)` prefills the backbone and the tower over the prompt rows, then per
-frame: main token (EOS or `<|semantic:c0|>`, with repetition-aware sampling) -> tower codes c1..c9 -> the new row
-is embedded and fed back to the backbone. Everything per frame stays on the device: sampling, the RAS window and
-the stop flags are tensors; the host looks at the stop flags every `stop_check_interval` frames, and finished
-sequences then leave the batch (they stop costing backbone and tower work).
+`FishOmniForSpeech.generate(input_ids, ...)` runs the teacher-forced `forward` over the prompt rows once (the
+prefill: backbone and tower caches), loads the sequences into a `FrameState` and runs `FrameState.step`
+(frame_step.py) once per frame: main token with repetition-aware sampling -> tower codes -> the new row fed back to
+the backbone (docs/format.md, "Prefill and decoding"). Everything per frame stays on the device; the host looks at
+the stop flags every `stop_check_interval` frames, and finished sequences then leave the batch. With
+`fast_decode=True` on a CUDA device each step is a CUDA graph replay (cuda_graphs.py); everywhere else the same step
+runs eagerly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
-from transformers import GenerationConfig
+from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
-from transformers.utils import ModelOutput
+from transformers.utils import ModelOutput, logging
 
+from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
-from .fast_decode import check_fast_decode, run_fast
+from .frame_step import FrameState, attention_window, row_limit
+from .parallel import check_fast_decode_allowed, shared_seed
 from .sampling import FrameSampler
 
-# Drama 3 settings kept on `model.generation_config` (defaults of the official server, SPEC 6 and 7).
+logger = logging.get_logger(__name__)
+
+# Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
     "do_sample": True,
     "max_new_tokens": 2048,  # frames: 2048 frames = 95 s of audio
@@ -34,14 +43,18 @@ DRAMA3_GENERATION_DEFAULTS = {
     "ras_top_k": 30,
     "ras_top_p": 0.95,
     "codebook_temperature": 1.0,
-    "codebook_top_k": 30,  # capped at 30 (SPEC 6)
+    "codebook_top_k": 30,  # capped at 30
     "codebook_top_p": 0.9,
     "stop_check_interval": 8,  # frames between two host checks of the stop flags
-    "fast_decode": False,  # preallocated state and, on CUDA, one captured CUDA graph per frame step (fast_decode.py)
+    "fast_decode": False,  # on CUDA: capture the frame step once as a CUDA graph and replay it (cuda_graphs.py)
+    "compile_step": False,  # torch.compile the frame step first (True: inductor; or a torch.compile backend's name)
+    "return_dict_in_generate": True,
+    "output_scores": False,  # the main-token candidate logits of every frame, in `Drama3GenerateOutput.scores`
 }
-# Arguments that transformers' pipelines pass to every `generate` and that mean nothing here.
-_IGNORED_PIPELINE_ARGS = ("pad_token_id", "bos_token_id")
-FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT = "eos", "length", "context"
+# transformers' generation settings that mean nothing for frames, but that pipelines and configs carry.
+_IGNORED_SETTINGS = ("pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "transformers_version", "_from_model_config")
+FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT, FINISH_STOP = "eos", "length", "context", "stop"
+OUTPUT_CHUNK_FRAMES = 256  # the output buffer grows by this many frames: memory follows the frames made
 
 
 @dataclass
@@ -51,7 +64,10 @@ class Drama3GenerateOutput(ModelOutput):
     sequences: `[B, T + N, 1 + NCB]` prompt rows followed by the generated frame rows (rows after a sequence's
         end are zeros). codes: per sequence `[NCB, n_i]` (c0..c9 of each generated frame). audio: per sequence
         float32 `[n_i * frame_length]` (None with `output_audio=False`). finish_reason: per sequence `"eos"`,
-        `"length"` (max_new_tokens) or `"context"` (the backbone's max_position_embeddings).
+        `"length"` (max_new_tokens), `"context"` (the backbone's max_position_embeddings) or `"stop"` (a stopping
+        criterion). scores (`output_scores=True`): per frame, the main-token candidate logits `[B, V + 1]` (after any
+        `logits_processor`; column 0 is EOS, column `1 + c` is `<|semantic:c|>`; rows of sequences that had already
+        ended are zeros).
     """
 
     sequences: torch.LongTensor | None = None
@@ -59,6 +75,43 @@ class Drama3GenerateOutput(ModelOutput):
     audio: list[torch.Tensor] | None = None
     finish_reason: list[str] | None = None
     sampling_rate: int | None = None
+    scores: tuple[torch.Tensor, ...] | None = None
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_settings(values: dict) -> None:
+    """Raise a `ValueError` naming the first Drama 3 generation setting in `values` that is out of range (types
+    included: a string, a NaN or an infinity is never a valid number)."""
+    if not _is_int(values["max_new_tokens"]) or values["max_new_tokens"] < 1:
+        raise ValueError(f"max_new_tokens (frames) must be an integer >= 1, got {values['max_new_tokens']!r}")
+    if not _is_int(values["stop_check_interval"]) or values["stop_check_interval"] < 1:
+        raise ValueError(f"stop_check_interval must be an integer >= 1, got {values['stop_check_interval']!r}")
+    if not isinstance(values["compile_step"], (bool, str)):
+        raise ValueError(f"compile_step must be True, False or a torch.compile backend name, got {values['compile_step']!r}")
+    for name in ("fast_decode", "do_sample", "return_dict_in_generate", "output_scores"):
+        if not isinstance(values[name], bool):
+            raise ValueError(f"{name} must be True or False, got {values[name]!r}")
+    if not _is_int(values["ras_window"]) or values["ras_window"] < 0:
+        raise ValueError(f"ras_window must be an integer >= 0, got {values['ras_window']!r}")
+    if not values["do_sample"]:
+        return
+    for name in ("temperature", "ras_temperature", "codebook_temperature"):
+        if not _is_number(values[name]) or values[name] <= 0:
+            raise ValueError(f"{name} must be a finite number > 0 when sampling (use do_sample=False for greedy), "
+                             f"got {values[name]!r}")
+    for name in ("top_p", "ras_top_p", "codebook_top_p"):
+        if not _is_number(values[name]) or not 0 < values[name] <= 1:
+            raise ValueError(f"{name} must be a number in (0, 1], got {values[name]!r}")
+    for name in ("top_k", "ras_top_k", "codebook_top_k"):
+        if values[name] is not None and (not _is_int(values[name]) or values[name] < 1):
+            raise ValueError(f"{name} must be an integer >= 1 (or None for no limit), got {values[name]!r}")
 
 
 def generation_settings(
@@ -68,53 +121,356 @@ def generation_settings(
 
     The one place where Drama 3's generation settings are validated: `generate` calls it, and so can a front end
     (the CLI, a server) before loading a model, with `GenerationConfig(**DRAMA3_GENERATION_DEFAULTS)` as `base`.
-    Raises `TypeError` for an unknown keyword and `ValueError` for a value out of range, naming the setting.
+    Raises `TypeError` for an unknown keyword and `ValueError` for a value out of range or a transformers setting
+    that does not apply to Drama 3 (beams, penalties, ...), naming the setting.
     """
     settings = copy.deepcopy(base)
-    for key, value in DRAMA3_GENERATION_DEFAULTS.items():  # a generation_config.json may lack our keys
-        if not hasattr(settings, key):
+    for key, value in DRAMA3_GENERATION_DEFAULTS.items():  # a generation_config.json may lack our keys (or unset them)
+        if getattr(settings, key, None) is None:
             setattr(settings, key, value)
     if generation_config is not None:
-        settings.update(**generation_config.to_diff_dict())
-    for key in _IGNORED_PIPELINE_ARGS:
+        given = generation_config.to_diff_dict()
+        unsupported = sorted(set(given) - set(DRAMA3_GENERATION_DEFAULTS) - set(_IGNORED_SETTINGS))
+        if unsupported:
+            raise ValueError(
+                f"generation_config sets {unsupported}, which Drama 3 generation does not use; it accepts "
+                f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (see docs/usage.md, 'Sampling settings')"
+            )
+        check_settings({**settings.to_dict(), **given})
+        settings.update(**given)
+    for key in _IGNORED_SETTINGS:
         kwargs.pop(key, None)
     unknown = sorted(set(kwargs) - set(DRAMA3_GENERATION_DEFAULTS))
     if unknown:
         raise TypeError(
             f"generate() got unknown or unsupported arguments {unknown}; Drama 3 generation accepts "
-            f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, streamer, "
-            "seed, generator, output_audio, show_progress, return_dict_in_generate)"
+            f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, "
+            "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress)"
         )
+    check_settings({**settings.to_dict(), **kwargs})
     settings.update(**kwargs)
-    if settings.max_new_tokens is None or settings.max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens (frames) must be >= 1, got {settings.max_new_tokens}")
-    if settings.stop_check_interval < 1:
-        raise ValueError(f"stop_check_interval must be >= 1, got {settings.stop_check_interval}")
-    if not isinstance(settings.fast_decode, bool):
-        raise ValueError(f"fast_decode must be True or False, got {settings.fast_decode!r}")
-    if settings.do_sample:
-        for name in ("temperature", "ras_temperature", "codebook_temperature"):
-            if getattr(settings, name) is None or getattr(settings, name) <= 0:
-                raise ValueError(f"{name} must be > 0 when sampling (use do_sample=False for greedy), got {getattr(settings, name)}")
-        for name in ("top_p", "ras_top_p", "codebook_top_p"):
-            if not 0 < getattr(settings, name) <= 1:
-                raise ValueError(f"{name} must be in (0, 1], got {getattr(settings, name)}")
     return settings
 
 
-class Drama3GenerationMixin:
-    """`generate` for `FishOmniForSpeech` (mixed into the model class)."""
+class FrameStates:
+    """A model's frame states between calls, and the captured CUDA graphs of their steps.
+
+    With CUDA graphs (`fast_decode=True` on CUDA) states are kept per batch bucket (1, 2, 4, ...: a batch is padded
+    with copies of its first sequence, marked ended) and reused by later calls, with their graphs; otherwise every
+    call builds states of its exact batch size and drops them at its end. One request runs at a time: calls from
+    other threads wait their turn, a call from inside a running one (a streamer calling `generate`) is refused.
+    """
+
+    def __init__(self, model):
+        self.model = model
+        self.fingerprint = self.model_fingerprint(model)
+        self.states: dict[tuple, FrameState] = {}
+        self.graphs = StepGraphs()
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread running a request
+
+    @staticmethod
+    def model_fingerprint(model) -> tuple:
+        """Changes when parameters are replaced or moved (a captured graph reads them at fixed addresses)."""
+        return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
+
+    @contextlib.contextmanager
+    def in_use(self, keep: bool):
+        """Hold the states for one request; `keep=False` drops them at its end."""
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "generate() was called from inside a running generate() of the same model (e.g. from a streamer): "
+                "a model generates one request at a time; run the nested call after the first one returns"
+            )
+        with self._lock:
+            self._owner = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._owner = None
+                if not keep:
+                    self.states.clear()
+
+    def state(self, batch: int, capacity: int, ras_window: int, template, scores: bool) -> FrameState:
+        """The state of `batch` sequences with room for at least `capacity` rows, built when missing or too small."""
+        key = (batch, ras_window, scores)
+        state = self.states.get(key)
+        if state is None or state.capacity < capacity:
+            self.states.pop(key, None)  # free the old buffers first
+            state = self.states[key] = FrameState(self.model, batch, capacity, ras_window, template, scores)
+        return state
+
+    def runner(self, state: FrameState, sampler: FrameSampler, visible: int, graphs: bool, hook=None,
+               compile_backend: str | None = None):
+        """A callable running one step of `state` over `visible` cache rows: a CUDA graph replay with `graphs`, else
+        the step itself; compiled first with `compile_backend` (`torch.compile(fullgraph=True)`: one graph, its
+        element-wise chains fused by inductor). A new state's first capture runs warm-up steps that overwrite it: get
+        the first runner of a state before loading sequences into it."""
+        function = compiled_step(state, compile_backend) if compile_backend else state.step
+        step = lambda: function(sampler, visible, hook)  # noqa: E731
+        if not graphs:
+            return step
+        key = (sampler.key, visible)
+        if key not in state.graphs:
+            state.graphs[key] = self.graphs.capture(self.model, step, state.hidden.device, warm_up=not state.graphs)
+        return state.graphs[key].replay
+
+
+def compiled_step(state: FrameState, backend: str):
+    """`state.step` compiled by torch.compile with `backend`, kept on the state (each window and sampling setting is
+    compiled on its first use)."""
+    if state.compiled.get(backend) is None:
+        state.compiled[backend] = torch.compile(state.step, fullgraph=True, dynamic=False, backend=backend)
+    return state.compiled[backend]
+
+
+def frame_states(model) -> FrameStates:
+    """The model's `FrameStates`, rebuilt when its parameters were replaced or moved since the last call."""
+    states = getattr(model, "_frame_states", None)
+    if states is None or states.fingerprint != FrameStates.model_fingerprint(model):
+        states = model._frame_states = FrameStates(model)
+    return states
+
+
+def check_cuda_graphs(model) -> None:
+    """Refuse, before any work, what a captured step cannot run: a model dispatched over several devices (offload
+    hooks move weights during the step) or attention kernels that take no padding mask of fixed shape."""
+    device_map = getattr(model, "hf_device_map", None)
+    if device_map and len({str(v) for v in device_map.values()}) > 1:
+        raise ValueError(
+            "fast_decode=True captures the frame step as a CUDA graph and needs the whole model on one device, but it "
+            f"is dispatched over {sorted({str(v) for v in device_map.values()})}; use fast_decode=False with offloading"
+        )
+    attention = model.config.text_config._attn_implementation
+    if attention is not None and "flash" in attention:
+        raise ValueError(
+            f"fast_decode=True captures the frame step as a CUDA graph, which needs attention with a fixed-shape "
+            f"mask; {attention!r} unpads rows on the host. Load with attn_implementation='sdpa' (or use "
+            "fast_decode=False)"
+        )
+
+
+def request_generators(seed, generator, batch: int, device: torch.device):
+    """The random streams of a call: None (torch's default), one `torch.Generator`, or a list of one per sequence
+    (from `seed` as an int or a list of ints, or `generator` as a Generator or a list)."""
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    def valid_seed(value) -> bool:  # what torch.Generator.manual_seed takes: a 64-bit integer
+        return _is_int(value) and -(2**63) <= value < 2**64
+
+    if isinstance(seed, (list, tuple)):
+        if len(seed) != batch or not all(valid_seed(s) for s in seed):
+            raise ValueError(f"seed as a list needs one 64-bit integer per sequence ({batch}), got {seed!r}")
+        return [torch.Generator(device=device).manual_seed(s) for s in seed]
+    if seed is not None:
+        if not valid_seed(seed):
+            raise ValueError(f"seed must be a 64-bit integer (or a list of one per sequence), got {seed!r}")
+        return torch.Generator(device=device).manual_seed(seed)
+    if isinstance(generator, (list, tuple)):
+        if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
+            raise ValueError(f"generator as a list needs one torch.Generator per sequence ({batch})")
+        return list(generator)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (or a list of one per sequence), got {type(generator).__name__}")
+    return generator
+
+
+class FrameLoop:
+    """One `generate` call after its prefill: the running batch, its state, outputs, streaming and stopping."""
+
+    def __init__(self, model, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
+                 stopping_criteria):
+        self.model, self.settings, self.streamer = model, settings, streamer
+        self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
+        self.prefill, self.generators = prefill, generators
+        batch, self.rows, width = input_ids.shape
+        self.limit = model.config.text_config.max_position_embeddings
+        # Frames this call can make: max_new_tokens, or up to the context (the last frame is not fed back).
+        self.frames = min(settings.max_new_tokens, self.limit - self.rows + 1)
+        self.positions = model.row_positions(attention_mask)  # [B, T]
+        self.input_ids, self.attention_mask = input_ids, attention_mask
+        # Prompt rows then the generated rows, grown in chunks (`_room`).
+        self.sequences = torch.cat((input_ids, input_ids.new_zeros(batch, min(self.frames, OUTPUT_CHUNK_FRAMES), width)), 1)
+        self.lengths = [0] * batch
+        self.finish_reason: list[str | None] = [None] * batch
+        self.stopped: set[int] = set()  # sequences a stopping criterion ended
+        self.scores: list[torch.Tensor] = []
+        self.sampler = FrameSampler(settings)
+        self.graphs = settings.fast_decode and model.input_device.type == "cuda"
+        if self.graphs and logits_processor:
+            logger.warning_once("a logits_processor runs in Python between the step's parts: the frame step runs "
+                                "eagerly, without CUDA graphs")
+            self.graphs = False
+        # A user's logits processor is Python run inside the step: it cannot be compiled with it either.
+        compile_step = settings.compile_step if not logits_processor else False
+        self.compile_backend = "inductor" if compile_step is True else (compile_step or None)
+        self.need_scores = settings.output_scores or bool(stopping_criteria)
+        # Calls that look at every frame on the host anyway also retire finished sequences at every frame.
+        self.check_every = 1 if streamer is not None or logits_processor or stopping_criteria else settings.stop_check_interval
+
+    def _bucket(self, running: int) -> int:
+        """Rows of a state for `running` sequences: a power of two with CUDA graphs (few graphs), else exact."""
+        return 1 << max(running - 1, 0).bit_length() if self.graphs else running
+
+    def _room(self, step: int) -> None:
+        """Make sure the output buffer has a column for frame `step`."""
+        if self.rows + step >= self.sequences.shape[1]:
+            more = min(OUTPUT_CHUNK_FRAMES, self.frames - step)
+            self.sequences = torch.cat((self.sequences, self.sequences.new_zeros(self.sequences.shape[0], more, self.sequences.shape[2])), 1)
+
+    def run(self, on_step) -> None:
+        states = frame_states(self.model)
+        with states.in_use(keep=self.graphs):
+            self._run(states, on_step)
+
+    def _row_generators(self, members: list[int], batch: int):
+        if not isinstance(self.generators, list):
+            return self.generators
+        return [self.generators[i] for i in members] + [None] * (batch - len(members))
+
+    def _main_logits_hook(self):
+        """The hook running the user's logits processors inside a step, on the whole batch's view (None without any):
+        rows of sequences not in the state are zeros."""
+        if not self.logits_processor:
+            return None
+
+        def hook(logits: torch.Tensor) -> torch.Tensor:  # [state rows, V + 1]
+            count = len(self.members)
+            full = logits.new_zeros(len(self.lengths), logits.shape[1])  # [B, V + 1]
+            full[self.member_index] = logits[:count]
+            processed = self.logits_processor(self.sequences[:, : self.rows + self.step], full)
+            out = logits.clone()
+            out[:count] = processed[self.member_index].to(out.dtype)
+            return out
+
+        return hook
+
+    def _run(self, states: FrameStates, on_step) -> None:
+        prefill, settings = self.prefill, self.settings
+        cap = row_limit(self.limit)
+
+        def runner(state: FrameState, visible: int):
+            return states.runner(state, self.sampler, visible, self.graphs, self._main_logits_hook(), self.compile_backend)
+
+        # A RAS window longer than a request's rows sees all of them: the buffer never needs more than the context.
+        ras_window = min(settings.ras_window, self.limit)
+
+        def state_for(batch: int, capacity: int, template) -> FrameState:
+            return states.state(batch, capacity, ras_window, template, self.need_scores)
+
+        batch = len(self.lengths)
+        visible = attention_window(self.rows + 1, cap)  # rows in use after the first step
+        state = state_for(self._bucket(batch), visible, prefill.cache)
+        self.members = list(range(batch))  # original index of state row i, for the first len(members) rows
+        self.member_index = torch.arange(batch, device=state.slot.device)
+        self.step = 0
+        run = runner(state, visible)  # before loading: a first capture overwrites the state (see `runner`)
+        state.load_prefill(
+            prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], self.input_ids, self.positions,
+            self.attention_mask, ras_window,
+        )
+        for step in range(self.frames):
+            self.step = step
+            window = attention_window(self.rows + step + 1, cap)  # this step's new row is row rows + step
+            if window > state.capacity:  # grow: the same sequences in a state with room for the window
+                bigger = state_for(state.batch, window, state.cache)
+                run = runner(bigger, window)
+                bigger.load_from(state, torch.arange(state.batch, device=state.slot.device))
+                state = bigger
+            elif window != visible:
+                run = runner(state, window)
+            visible = window
+            self.sampler.fill_noise(state.noise, self._row_generators(self.members, state.batch))
+            ended_before = state.ended[: len(self.members)].clone() if state.scores is not None else None
+            run()
+            self._record(state, step, ended_before)
+            on_step(1)
+            if step + 1 == self.frames or (step + 1) % self.check_every:
+                continue
+            running = self._retire(state, None)  # the one host sync of the interval
+            if not running:
+                break
+            if self._bucket(len(running)) < state.batch:  # shrink: the running sequences move to a smaller state
+                keep = torch.tensor([self.members.index(i) for i in running], device=state.slot.device)
+                smaller = state_for(self._bucket(len(running)), state.capacity, state.cache)
+                run = runner(smaller, visible)
+                smaller.load_from(state, keep)
+                state = smaller
+                self.members, self.member_index = running, torch.tensor(running, device=state.slot.device)
+            # Otherwise the ended sequences stay in the state, as ended rows, until the bucket shrinks.
+        self._retire(state, FINISH_LENGTH if self.frames == settings.max_new_tokens else FINISH_CONTEXT)
+        # Scores of the steps that decided something: up to each sequence's last frame, and its EOS step.
+        decided = [n + (reason == FINISH_EOS) for n, reason in zip(self.lengths, self.finish_reason)]
+        del self.scores[max(decided, default=0) :]
+
+    def _record(self, state: FrameState, step: int, ended_before: torch.Tensor | None) -> None:
+        """Write the step's frames into the outputs; stream them; run the stopping criteria; keep the scores (of the
+        sequences that had not ended before this step)."""
+        members, member_index = self.members, self.member_index
+        count = len(members)
+        self._room(step)
+        made = ~state.ended[:count]  # [n] a frame was made (not EOS, not ended before)
+        rows = state.new_rows[:count]
+        self.sequences[member_index, self.rows + step] = torch.where(made[:, None], rows, 0)
+        scores = None
+        if state.scores is not None:
+            scores = state.scores.new_zeros(len(self.lengths), state.scores.shape[1])  # [B, V + 1]
+            scores[member_index.to(scores.device)] = state.scores[:count].masked_fill(ended_before[:, None].to(scores.device), 0)
+            if self.settings.output_scores:
+                self.scores.append(scores)
+        if self.streamer is not None and bool(made.any()):
+            codes = rows.new_full((len(self.lengths), rows.shape[1] - 1), -1)  # [B, NCB]
+            codes[member_index] = torch.where(made[:, None], rows[:, 1:], -1)
+            self.streamer.put(codes)
+        if self.stopping_criteria:
+            stop = self.stopping_criteria(self.sequences[:, : self.rows + step + 1], scores)
+            stop = torch.as_tensor(stop, device=made.device).expand(len(self.lengths))[member_index] & made
+            if bool(stop.any()):
+                stopping = stop.nonzero()[:, 0]
+                state.ended[stopping] = True
+                self.stopped.update(members[i] for i in stopping.tolist())
+
+    def _retire(self, state: FrameState, reason_for_running: str | None) -> list[int]:
+        """Record the lengths and finish reasons of sequences that ended (of all, with `reason_for_running` for those
+        still running); returns the ones still running."""
+        members = self.members
+        ended = state.ended[: len(members)].tolist()
+        counts = state.count[: len(members)].tolist()
+        running = []
+        for original, has_ended, count in zip(members, ended, counts):
+            if has_ended or reason_for_running is not None:
+                self.lengths[original] = count
+                if original in self.stopped:
+                    self.finish_reason[original] = FINISH_STOP
+                else:
+                    self.finish_reason[original] = FINISH_EOS if has_ended else reason_for_running
+            else:
+                running.append(original)
+        return running
+
+
+class Drama3GenerationMixin(GenerationMixin):
+    """`generate` for `FishOmniForSpeech`: transformers' `GenerationMixin`, with Drama 3's frame loop as the decoding
+    method it runs."""
 
     def _init_generation_config(self) -> None:
-        """Put the Drama 3 defaults on `generation_config` (a loaded `generation_config.json` overrides them)."""
+        """Put the Drama 3 defaults on `generation_config` where it sets nothing (a loaded `generation_config.json`
+        wins)."""
         for key, value in DRAMA3_GENERATION_DEFAULTS.items():
-            setattr(self.generation_config, key, value)
+            if getattr(self.generation_config, key, None) is None:
+                setattr(self.generation_config, key, value)
         self.generation_config.eos_token_id = self.config.eos_token_id
 
-    def reset_fast_decode(self) -> None:
-        """Free the preallocated state and captured CUDA graphs that `generate(..., fast_decode=True)` keeps for
-        later calls (they are rebuilt on the next such call)."""
-        self._fast_decoder = None
+    def adjust_generation_fn(self, *args, **kwargs):
+        """transformers' loading of the checkpoint's generation config (`from_pretrained`), then the Drama 3
+        defaults for what it leaves unset."""
+        super().adjust_generation_fn(*args, **kwargs)
+        self._init_generation_config()
+
+    def reset_frame_states(self) -> None:
+        """Free the frame states and captured CUDA graphs that `generate(..., fast_decode=True)` keeps on a CUDA
+        device for later calls (they are rebuilt on the next such call)."""
+        self._frame_states = None
 
     @torch.no_grad()
     def generate(
@@ -122,177 +478,68 @@ class Drama3GenerationMixin:
         input_ids: torch.LongTensor,  # [B, T, 1 + NCB] prompt frame rows from Drama3Processor
         attention_mask: torch.Tensor | None = None,  # [B, T], 0 = left padding
         generation_config: GenerationConfig | None = None,
+        logits_processor: LogitsProcessorList | None = None,
+        stopping_criteria: StoppingCriteriaList | None = None,
         streamer: BaseStreamer | None = None,
-        seed: int | None = None,
-        generator: torch.Generator | None = None,
+        seed: int | list[int] | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
         output_audio: bool = True,
         show_progress: bool = False,
-        return_dict_in_generate: bool = True,
         **kwargs,
     ) -> Drama3GenerateOutput | torch.LongTensor:
-        """Generate speech frames (and their audio) for a batch of prompts.
+        """Generate speech frames (and their audio) for a batch of left-padded prompts.
 
         Settings come from `model.generation_config` (Drama 3 defaults) updated by `generation_config` and by
-        keywords (`temperature`, `top_p`, `top_k`, `ras_*`, `codebook_*`, `max_new_tokens`, `do_sample`, ...); an
-        unknown keyword is an error. `do_sample=False` is greedy everywhere (no RAS). `seed` (or a
-        `torch.Generator`) makes a run reproducible bit for bit on the same machine. `fast_decode=True` runs the frames
-        over preallocated state, one CUDA graph replay per frame on CUDA (`fast_decode.py`; same frames, see
-        docs/usage.md). Returns a `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
+        keywords (`temperature`, `top_p`, `top_k`, `ras_*`, `codebook_*`, `max_new_tokens`, `do_sample`,
+        `output_scores`, `return_dict_in_generate`, ...); an unknown keyword is an error. `do_sample=False` is greedy
+        everywhere (no RAS). `seed` (or a `torch.Generator`) makes a run reproducible; a list of seeds (or
+        generators), one per sequence, gives each sequence the frames it gets alone with that seed.
+
+        `logits_processor` (a `LogitsProcessorList`) is applied to the main-token candidate logits `[B, V + 1]` of each
+        frame before Drama 3's sampling rule, called with the rows generated so far (`[B, T + n, 1 + NCB]`);
+        `stopping_criteria` (a `StoppingCriteriaList`) is called after each frame with the rows including it and
+        that frame's candidate logits, and a sequence it marks ends with finish reason `"stop"`. `streamer` gets
+        `put(codes [B, NCB])` per frame (-1 rows for sequences without a frame) and `end()`. `fast_decode=True`
+        replays the frame step as a CUDA graph on a CUDA device (docs/usage.md). Returns a `Drama3GenerateOutput`
+        (or only `sequences` with `return_dict_in_generate=False`).
         """
         settings = generation_settings(self.generation_config, generation_config, **kwargs)
+        if logits_processor is not None and not isinstance(logits_processor, LogitsProcessorList):
+            logits_processor = LogitsProcessorList(logits_processor)
+        if stopping_criteria is not None and not isinstance(stopping_criteria, StoppingCriteriaList):
+            stopping_criteria = StoppingCriteriaList(stopping_criteria)
         self.check_frames(input_ids)
-        input_ids = input_ids.to(self.input_device)
-        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
-        batch, rows, _ = input_ids.shape
-        if batch == 0 or rows == 0:
-            raise ValueError(f"input_ids must hold at least one prompt row per sequence, got shape {tuple(input_ids.shape)}")
-        if streamer is not None and batch != 1:
-            raise ValueError(f"streaming takes one sequence at a time, got a batch of {batch}")
-        device = input_ids.device
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-        attention_mask = self._full_attention_mask(attention_mask, batch, 0, rows, device)
-        limit = self.config.text_config.max_position_embeddings
-        if rows > limit:
-            raise ValueError(f"the prompt has {rows} rows but the backbone's context is {limit} rows")
-
+        batch = input_ids.shape[0]
+        input_ids = input_ids.to(self.input_device, torch.long)
+        if isinstance(attention_mask, torch.Tensor):
+            attention_mask = attention_mask.to(self.input_device)
+        attention_mask = self._full_attention_mask(attention_mask, batch, 0, input_ids.shape[1], input_ids.device)
+        seed = shared_seed(self, seed, generator)  # split over ranks: every rank draws the same noise
+        generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
         if settings.fast_decode:
-            check_fast_decode(self)
+            check_fast_decode_allowed(self)
+            check_cuda_graphs(self)
 
-        loop = _FrameLoop(self, settings, input_ids, attention_mask, generator, streamer)
-        with tqdm(total=settings.max_new_tokens, unit="frame", disable=not show_progress, leave=False) as bar:
-            if settings.fast_decode:
-                run_fast(loop, on_step=bar.update)
-            else:
+        prefill = self(input_ids, attention_mask, use_cache=True, logits_to_keep=1)
+        loop = FrameLoop(self, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
+                         stopping_criteria)
+        try:
+            with tqdm(total=loop.frames, unit="frame", disable=not show_progress, leave=False) as bar:
                 loop.run(on_step=bar.update)
-        if streamer is not None:
-            streamer.end()
+        finally:
+            if streamer is not None:
+                streamer.end()
 
-        codes = [loop.frames[i, : loop.lengths[i], 1:].T.contiguous() for i in range(batch)]  # [NCB, n_i]
-        sequences = torch.cat((input_ids, loop.frames[:, : max(loop.lengths, default=0)]), dim=1)
-        if not return_dict_in_generate:
+        rows = loop.rows
+        sequences = loop.sequences[:, : rows + max(loop.lengths, default=0)]
+        codes = [sequences[i, rows : rows + n, 1:].T.contiguous() for i, n in enumerate(loop.lengths)]  # [NCB, n_i]
+        if not settings.return_dict_in_generate:
             return sequences
         audio = [self.codec.decode(c[None].to(execution_device(self.codec)))[0] for c in codes] if output_audio else None
         return Drama3GenerateOutput(
             sequences=sequences, codes=codes, audio=audio, finish_reason=loop.finish_reason,
-            sampling_rate=self.config.sampling_rate,
+            sampling_rate=self.config.sampling_rate, scores=tuple(loop.scores) if settings.output_scores else None,
         )
 
 
-class _FrameLoop:
-    """The state of one `generate` call: caches, the running batch, outputs and stop flags (SPEC 5.3)."""
-
-    def __init__(self, model, settings: GenerationConfig, input_ids, attention_mask, generator, streamer):
-        self.model, self.settings, self.generator, self.streamer = model, settings, generator, streamer
-        config = model.config
-        batch, rows, width = input_ids.shape
-        device = input_ids.device
-        self.limit = config.text_config.max_position_embeddings
-        self.candidates = model.main_candidate_ids(device)  # [V + 1]
-        self.frames = input_ids.new_zeros(batch, settings.max_new_tokens, width)  # generated rows, per sequence
-        self.lengths = [0] * batch
-        self.finish_reason: list[str | None] = [None] * batch
-        self.active = torch.arange(batch, device=device)  # original index of each running sequence
-        self.count = torch.zeros(batch, dtype=torch.long, device=device)  # frames of each running sequence
-        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)  # EOS drawn
-        self.mask = attention_mask if not bool(attention_mask.all()) else None  # None: no padding anywhere
-        self.slots = rows  # rows in the backbone cache
-
-        self.sampler = FrameSampler(settings)
-        # RAS window: the last prompt rows' main ids as candidate columns (-1 for text rows).
-        main = input_ids[..., 0]
-        columns = torch.where(model.is_audio_row(main), main - config.semantic_start_token_id + 1, -1)
-        self.history = columns[:, -settings.ras_window :] if settings.ras_window else columns[:, :0]
-        self._prefill(input_ids, attention_mask)
-
-    def _prefill(self, input_ids, attention_mask) -> None:
-        model = self.model
-        positions = model.row_positions(attention_mask)  # [B, T]
-        self.cache, self.tower_cache = model.new_caches()
-        hidden = model.run_backbone(input_ids, positions, self.mask, self.cache)  # [B, T, D]
-        if input_ids.shape[1] > 1:  # tower teacher forcing over rows 0..T-2, labelled by rows 1..T-1
-            tower_mask = None if self.mask is None else self.mask[:, :-1]
-            model.tower(hidden[:, :-1], input_ids[:, :-1], input_ids[:, 1:], positions[:, :-1], tower_mask, self.tower_cache)
-        self.hidden, self.row, self.position = hidden[:, -1], input_ids[:, -1], positions[:, -1]
-
-    def _step(self) -> torch.Tensor:
-        """One frame for every running sequence; returns the new rows `[b, 1 + NCB]`."""
-        model = self.model
-        logits = model.main_logits(self.hidden, self.candidates).float()  # [b, V + 1]
-        noise = self.sampler.frame_noise(
-            logits.shape[0], model.config.num_codebooks, logits.shape[1], self.generator, logits.device
-        )  # [b, NCB, V + 1] or None
-        column = self.sampler.main(logits, self.history, noise)
-        main = self.candidates[column]  # [b]
-        codes, _ = model.tower.decode_frame(
-            self.hidden, self.row, main, self.position, self.mask, self.tower_cache,
-            lambda head_logits, index: self.sampler.codebook(head_logits, index, noise),
-        )
-        if self.settings.ras_window:
-            self.history = torch.cat((self.history, column[:, None]), dim=1)[:, -self.settings.ras_window :]
-        eos = column == 0
-        keep = ~eos & ~self.ended
-        new_rows = torch.cat((main[:, None], codes), dim=1)  # [b, 1 + NCB]
-        index = self.count.clamp(max=self.frames.shape[1] - 1)
-        self.frames[self.active, index] = torch.where(keep[:, None], new_rows, self.frames[self.active, index])
-        self.count += keep.long()
-        self.ended |= eos
-        if self.streamer is not None and bool(keep[0]):  # batch 1: the streamer needs the frame now
-            self.streamer.put(codes)
-        return new_rows
-
-    def _feed_back(self, new_rows: torch.Tensor) -> None:
-        """Embed the new rows and run one backbone step."""
-        if self.mask is not None:
-            self.mask = torch.cat((self.mask, self.mask.new_ones(self.mask.shape[0], 1)), dim=1)
-        self.position = self.position + 1
-        self.hidden = self.model.run_backbone(new_rows[:, None], self.position[:, None], self.mask, self.cache)[:, 0]
-        self.row = new_rows
-        self.slots += 1
-
-    def _retire(self, keep: torch.Tensor, reason_for_dropped: str | None) -> None:
-        """Record the outputs of sequences leaving the batch and drop them from every running tensor."""
-        for position, original in enumerate(self.active.tolist()):
-            if not bool(keep[position]):
-                self.lengths[original] = int(self.count[position])
-                self.finish_reason[original] = FINISH_EOS if bool(self.ended[position]) else reason_for_dropped
-        if bool(keep.all()) or not bool(keep.any()):
-            return
-        index = keep.nonzero()[:, 0]
-        # `reorder_cache` with a subset of indices selects those sequences (every cache layer kind supports it).
-        self.cache.reorder_cache(index)
-        self.tower_cache.reorder_cache(index)
-        for name in ("active", "count", "ended", "hidden", "row", "position", "history", "new_rows"):
-            setattr(self, name, getattr(self, name)[index])
-        if self.mask is not None:
-            self.mask = self.mask[index]
-
-    def end_at_first_eos(self, recorded: list[int], length_limited: bool) -> None:
-        """For frames recorded without stopping (the fast path: `recorded[i]` rows of sequence `i`, ended ones
-        included): cut each sequence at its first EOS row (zeroing the rest) and set `lengths` and `finish_reason`."""
-        for index, rows in enumerate(recorded):
-            eos = (self.frames[index, :rows, 0] == self.model.config.eos_token_id).nonzero()
-            if eos.numel():
-                self.lengths[index], self.finish_reason[index] = int(eos[0, 0]), FINISH_EOS
-            else:
-                self.lengths[index] = rows
-                self.finish_reason[index] = FINISH_LENGTH if length_limited else FINISH_CONTEXT
-            self.frames[index, self.lengths[index] :] = 0
-
-    def run(self, on_step) -> None:
-        check_every = self.settings.stop_check_interval
-        for step in range(1, self.settings.max_new_tokens + 1):
-            self.new_rows = self._step()
-            on_step(1)
-            if step == self.settings.max_new_tokens:
-                self._retire(torch.zeros_like(self.ended), FINISH_LENGTH)
-                return
-            if self.slots >= self.limit:  # the new rows would not fit in the backbone's context
-                self._retire(torch.zeros_like(self.ended), FINISH_CONTEXT)
-                return
-            if step % check_every == 0:
-                all_ended = bool(self.ended.all())
-                self._retire(~self.ended, None)
-                if all_ended:
-                    return
-            self._feed_back(self.new_rows)
+__all__ = ["DRAMA3_GENERATION_DEFAULTS", "Drama3GenerateOutput", "Drama3GenerationMixin", "generation_settings"]

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache, PreTrainedModel
 from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
@@ -32,7 +33,8 @@ from .configuration_drama3 import FishOmniConfig
 from .device_placement import execution_device, pin_codec_to_main_device, warn_about_codec_entries
 from .generation_drama3 import Drama3GenerationMixin
 from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
-from .modeling_tower import Drama3CodebookTower, Drama3TowerCache, Drama3ZeroCenteredNorm
+from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
+from .parallel import ParallelRequest
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 CODEC_FILE = "codec.pth"
@@ -77,6 +79,13 @@ class FishOmniPreTrainedModel(PreTrainedModel):
     # The loss is two means (main tokens, codebooks) over different counts: `Trainer` must not pass
     # `num_items_in_batch`; it scales the loss for gradient accumulation itself.
     accepts_loss_kwargs = False
+    # Attention kernels: the backbone's and the tower's attention both run through transformers' attention interface
+    # (`attn_implementation="sdpa"` (default), `"eager"`, `"flash_attention_2"`, registered hub kernels).
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    # Caches passed to forward stay where they are under accelerate dispatch (their layers sit on their own devices).
+    _skip_keys_device_placement = ["cache", "tower_cache", "past_key_values"]
     # accelerate keeps each of these on one device: a backbone layer, the whole tower, the whole codec.
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3CodebookTower", "FishDACCodec"]
     # The codec's weights come from codec.pth, not from the safetensors files.
@@ -84,13 +93,9 @@ class FishOmniPreTrainedModel(PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
-        std = self.config.text_config.initializer_range
-        if isinstance(module, Drama3ZeroCenteredNorm):
-            module.weight.zero_()  # zero-centred: gain 1 + w = 1
-        elif isinstance(module, nn.Linear):
-            module.weight.normal_(0.0, std)
-        elif isinstance(module, nn.Embedding):
-            module.weight.normal_(0.0, std)
+        """Random weights of what is not a sub-model (the backbone and the tower initialise their own): lm_head."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, self.config.text_config.initializer_range)
 
 
 class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
@@ -107,8 +112,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tower = Drama3CodebookTower(config.audio_decoder_config, config.semantic_start_token_id)
         self.codec = FishDACCodec(config.codec_config)
-        self._init_generation_config()
         self.post_init()
+        self._init_generation_config()  # after post_init, which makes the generation config from the model config
 
     def main_candidate_ids(self, device: torch.device | str = "cpu") -> torch.Tensor:
         """Token ids of the main-token candidates `[V + 1]`: EOS, then the semantic band (`main_logits` columns)."""
@@ -117,8 +122,15 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
 
     def main_logits(self, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
         """Main-token logits `[..., V + 1]` (column 0 EOS, then the semantic band) of final-norm hidden states
-        `[..., D]`; `candidates` are `main_candidate_ids` when already at hand."""
+        `[..., D]`; `candidates` are `main_candidate_ids` when already at hand.
+
+        Only the V + 1 candidate rows of `lm_head` are multiplied (the text vocabulary's other rows are never used);
+        a quantised or offloaded `lm_head` (no plain weight to index) runs whole and its candidate columns are kept.
+        """
         candidates = self.main_candidate_ids(hidden.device) if candidates is None else candidates
+        weight = self.lm_head.weight
+        if type(self.lm_head) is nn.Linear and not weight.is_meta:
+            return F.linear(hidden, weight.index_select(0, candidates.to(weight.device)))
         return self.lm_head(hidden).index_select(-1, candidates)
 
     def get_input_embeddings(self) -> nn.Embedding:
@@ -165,33 +177,49 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         return torch.where(self.is_audio_row(frames[..., 0])[..., None], audio, tokens)
 
     def check_frames(self, frames: torch.Tensor, name: str = "input_ids") -> None:
-        """Raise a clear error for frame rows the model cannot read (shape, dtype, ids outside the vocabulary,
-        or an audio row whose main id and c0 disagree). Codes outside [0, V-1] are clamped, not refused."""
-        ncb = self.config.num_codebooks
+        """Raise a clear error for frame rows the model cannot read: shape, dtype, main ids outside the vocabulary,
+        text rows with codes, audio rows whose main id and c0 disagree or whose codes lie outside `[0, V)`; the first
+        offending row and column are named."""
+        ncb, vocab, codebook = self.config.num_codebooks, self.config.text_config.vocab_size, self.config.codebook_size
+        if not isinstance(frames, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor of frame rows [batch, rows, {1 + ncb}], got {type(frames).__name__}")
         if frames.dim() != 3 or frames.shape[-1] != 1 + ncb:
             raise ValueError(
                 f"{name} must be frame rows [batch, rows, {1 + ncb}] ([main_id, c0..c{ncb - 1}], as the processor "
                 f"returns them), got shape {tuple(frames.shape)}"
             )
-        if frames.dtype.is_floating_point or frames.dtype == torch.bool:
+        if frames.dtype.is_floating_point or frames.dtype.is_complex or frames.dtype == torch.bool:
             raise ValueError(f"{name} must hold integer ids, got {frames.dtype}")
+        if frames.shape[0] == 0 or frames.shape[1] == 0:
+            raise ValueError(f"{name} must hold at least one prompt row per sequence, got shape {tuple(frames.shape)}")
         main = frames[..., 0]
-        vocab = self.config.text_config.vocab_size
+        audio = self.is_audio_row(main)
+
+        def first(bad: torch.Tensor) -> str:  # "[b, t]" or "[b, t, column]" of the first True entry
+            return str(bad.nonzero()[0].tolist())
+
         bad = (main < 0) | (main >= vocab)
         if bad.any():
-            raise ValueError(f"{name} has main ids outside the text vocabulary [0, {vocab}): {main[bad][:5].tolist()}")
-        audio = self.is_audio_row(main)
-        text_with_codes = ~audio & (frames[..., 1:] != 0).any(-1)
+            raise ValueError(f"{name}{first(bad)[:-1]}, 0] = {int(main[bad][0])}: main ids must lie in the text vocabulary [0, {vocab})")
+        text_with_codes = ~audio[..., None] & (frames[..., 1:] != 0)
         if text_with_codes.any():
+            where = text_with_codes.nonzero()[0].tolist()
             raise ValueError(
-                f"{name} has rows with codes but a main id outside the semantic band "
-                f"[{self.config.semantic_start_token_id}, {self.config.semantic_end_token_id}] (ids "
-                f"{main[text_with_codes][:5].tolist()}): an audio row is [semantic_start + c0, c0, ..., c{ncb - 1}], "
-                "a text row has all codes zero"
+                f"{name}[{where[0]}, {where[1]}, {where[2] + 1}] = {int(frames[where[0], where[1], where[2] + 1])}: a "
+                f"text row (main id {int(main[where[0], where[1]])}, outside the semantic band "
+                f"[{self.config.semantic_start_token_id}, {self.config.semantic_end_token_id}]) must have all codes 0; "
+                f"an audio row is [semantic_start + c0, c0, ..., c{ncb - 1}]"
+            )
+        codes_out = audio[..., None] & ((frames[..., 1:] < 0) | (frames[..., 1:] >= codebook))
+        if codes_out.any():
+            where = codes_out.nonzero()[0].tolist()
+            raise ValueError(
+                f"{name}[{where[0]}, {where[1]}, {where[2] + 1}] = {int(frames[where[0], where[1], where[2] + 1])}: "
+                f"codes of an audio row must lie in [0, {codebook})"
             )
         mismatch = audio & (main - self.config.semantic_start_token_id != frames[..., 1])
         if mismatch.any():
-            raise ValueError(f"{name} has audio rows whose main id is not semantic_start + c0")
+            raise ValueError(f"{name}{first(mismatch)[:-1]}, 0]: an audio row's main id must be semantic_start + c0")
 
     # ----------------------------------------------------------------------------------------------------------
     # Teacher-forced forward
@@ -211,6 +239,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         tower_cache: Drama3TowerCache | None = None,
         use_cache: bool | None = None,
         past_key_values: DynamicCache | None = None,  # alias of `cache` (the older transformers name)
+        logits_to_keep: int = 0,
         **kwargs,
     ) -> Drama3SpeechOutput:
         """Teacher-forced pass over frame rows: main-token and codebook logits, and a loss when `labels` are given.
@@ -218,13 +247,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         With caches (`use_cache=True`, or caches passed in) the rows extend the ones already cached: prefilling N
         rows and then feeding one row at a time gives the same logits as one pass over all rows. `labels` are
         usually `input_ids` itself, with main id -100 on rows to leave out; see `Drama3SpeechOutput` for the loss.
+        `logits_to_keep=k > 0` computes the logits of the last `k` rows only (as transformers' causal LMs do; 0 keeps
+        all): a prefill that only fills the caches skips the heads' work on every other row.
         """
         if kwargs:
             raise TypeError(f"FishOmniForSpeech.forward got unexpected arguments: {sorted(kwargs)}")
+        if not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+            raise ValueError(f"logits_to_keep must be an integer >= 0 (0 keeps every row), got {logits_to_keep!r}")
+        if labels is not None and logits_to_keep:
+            raise ValueError("the loss needs the logits of every row: leave logits_to_keep at 0 with labels")
         cache = cache if cache is not None else past_key_values
         self.check_frames(input_ids)
-        input_ids = input_ids.to(self.input_device)
-        attention_mask = attention_mask.to(self.input_device) if attention_mask is not None else None
+        input_ids = input_ids.to(self.input_device, torch.long)
+        attention_mask = attention_mask.to(self.input_device) if isinstance(attention_mask, torch.Tensor) else attention_mask
         labels = labels.to(self.input_device) if labels is not None else None
         batch, rows, _ = input_ids.shape
         if use_cache is None:
@@ -243,9 +278,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         position_ids = self.row_positions(attention_mask)[:, past:]  # [B, T]
 
         hidden = self.run_backbone(input_ids, position_ids, attention_mask, cache if use_cache else None)  # [B, T, D]
-        main_logits = self.main_logits(hidden)  # [B, T, V + 1]
+        kept = min(logits_to_keep, rows) or rows  # rows with logits: the last `kept`
+        main_logits = self.main_logits(hidden[:, rows - kept :])  # [B, kept, V + 1]
         codebook_logits, predicted_rows = self._tower_teacher_forcing(
-            hidden, input_ids, position_ids, attention_mask, tower_cache
+            hidden, input_ids, position_ids, attention_mask, tower_cache, kept
         )
 
         output = Drama3SpeechOutput(
@@ -306,19 +342,37 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
 
     @staticmethod
     def _full_attention_mask(attention_mask, batch: int, past: int, rows: int, device) -> torch.Tensor:
-        """`[B, past + T]` mask of real rows (all ones when none is given)."""
+        """`[B, past + T]` long mask of real rows (all ones when none is given), checked: 0/1 values, left padding
+        only, at least one real row per sequence."""
         if attention_mask is None:
             return torch.ones(batch, past + rows, dtype=torch.long, device=device)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a torch.Tensor [batch, rows], got {type(attention_mask).__name__}")
         if attention_mask.shape != (batch, past + rows):
             raise ValueError(
                 f"attention_mask must be [batch, cached rows + new rows] = [{batch}, {past + rows}], got "
                 f"{tuple(attention_mask.shape)}"
             )
-        return attention_mask.long()
+        if attention_mask.dtype.is_complex or not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+            raise ValueError("attention_mask must hold 0 (left padding) and 1 (real rows) only")
+        mask = attention_mask.long()
+        empty = mask.sum(-1) == 0
+        if empty.any():
+            raise ValueError(
+                f"attention_mask row {int(empty.nonzero()[0, 0])} is all zeros: that sequence has no real row to "
+                "condition on (1 marks a real row, 0 left padding)"
+            )
+        padding_after_rows = (mask[:, 1:] < mask[:, :-1]).any(-1)
+        if padding_after_rows.any():
+            raise ValueError(
+                f"attention_mask row {int(padding_after_rows.nonzero()[0, 0])} has padding (0) after real rows: Drama 3 "
+                "takes left-padded batches, padding first (the processor pads that way)"
+            )
+        return mask
 
-    def _tower_teacher_forcing(self, hidden, frames, position_ids, attention_mask, tower_cache) -> tuple[torch.Tensor, int]:
-        """Codebook logits `[B, T, NCB-1, V]` of every row whose previous row is known (this pass or the cache),
-        and how many rows (the last ones) that is."""
+    def _tower_teacher_forcing(self, hidden, frames, position_ids, attention_mask, tower_cache, kept: int):
+        """Codebook logits `[B, kept, NCB-1, V]` of the last `kept` rows (zeros for a row whose previous row is not
+        known, in this pass or the cache), and how many rows the tower predicted (the last ones)."""
         batch, rows, _ = frames.shape
         pending = tower_cache.pending_row if tower_cache is not None else None
         if pending is not None:  # the cached last row is labelled by this pass's first row
@@ -329,11 +383,12 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         else:
             hidden_in, frames_in, positions_in, labels_in = hidden[:, :-1], frames[:, :-1], position_ids[:, :-1], frames[:, 1:]
         tower_rows = labels_in.shape[1]
-        logits = hidden.new_zeros(batch, rows, self.config.num_codebooks - 1, self.config.codebook_size)
+        logits = hidden.new_zeros(batch, kept, self.config.num_codebooks - 1, self.config.codebook_size)
         if tower_rows > 0:
             mask = attention_mask[:, : attention_mask.shape[1] - 1]  # rows of the tower inputs (and its cache)
-            out = self.tower(hidden_in, frames_in, labels_in, positions_in, mask, tower_cache)
-            logits[:, rows - tower_rows :] = out.logits
+            with_logits = min(kept, tower_rows)
+            out = self.tower(hidden_in, frames_in, labels_in, positions_in, mask, tower_cache, logits_to_keep=with_logits)
+            logits[:, kept - with_logits :] = out.logits
         if tower_cache is not None:
             tower_cache.pending_row = (hidden[:, -1:], frames[:, -1:], position_ids[:, -1:])
         return logits, tower_rows
@@ -344,8 +399,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         1..NCB-1 of audio labels."""
         if labels.shape != main_logits.shape[:2] + (1 + self.config.num_codebooks,):
             raise ValueError(f"labels must have the shape of input_ids {tuple(main_logits.shape[:2])} + (11,), got {tuple(labels.shape)}")
+        if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            raise ValueError(f"labels must hold integer ids (frame rows, main id {IGNORE_INDEX} to leave a row out), got {labels.dtype}")
+        labels = labels.long()
         start, vocab = self.config.semantic_start_token_id, self.config.codebook_size
         main = labels[..., 0]  # [B, T]
+        text_vocab = self.config.text_config.vocab_size
+        bad = (main != IGNORE_INDEX) & ((main < 0) | (main >= text_vocab))
+        if bad.any():
+            where = bad.nonzero()[0].tolist()
+            raise ValueError(
+                f"labels[{where[0]}, {where[1]}, 0] = {int(main[where[0], where[1]])}: label main ids must lie in the text "
+                f"vocabulary [0, {text_vocab}), or be {IGNORE_INDEX} to leave the row out of the loss"
+            )
         counted = (main != IGNORE_INDEX) & row_mask
         audio = counted & self.is_audio_row(main)
         main_target = torch.where(audio, main - start + 1, torch.full_like(main, IGNORE_INDEX))
@@ -369,15 +435,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         `max_memory` and `offload_folder` for offloading (the codec always stays whole on the main device, see
         `device_placement`); `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit dense linears (tower,
         lm_head and codec stay in full precision unless `llm_int8_skip_modules` says otherwise; the FP8 experts are
-        dequantised). The codec is loaded from `codec.pth` in float32 whatever `dtype` is; `model.codec.to(...)`
-        changes that. See docs/hardware.md.
+        dequantised); under `torchrun`, `tp_plan="auto"` or `distributed_config=parallel.distributed_config(...)`
+        for tensor or expert parallelism (`transformers_drama3.parallel`). The codec is loaded from `codec.pth` in
+        float32 whatever `dtype` is; `model.codec.to(...)` changes that. See docs/hardware.md.
         """
+        parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
         config = kwargs.pop("config", None)
         if config is None:
             config = FishOmniConfig.from_pretrained(directory)
         elif not isinstance(config, FishOmniConfig):
             raise TypeError(f"`config` must be a FishOmniConfig, got {type(config).__name__}")
+        if parallel is not None:
+            kwargs.update(parallel.load_kwargs(config))
         codec_path = os.path.join(directory, CODEC_FILE)
         if not os.path.isfile(codec_path):
             raise Drama3CheckpointError(f"checkpoint {directory!r} has no {CODEC_FILE} (the audio codec's weights)")
@@ -408,8 +478,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         this same dict afterwards, so pinning it in place covers both (see `device_placement`). The weights are
         loaded but not yet dispatched, so the dtype fix also reaches weights that accelerate then keeps in RAM.
         """
-        if isinstance(load_config.device_map, dict):
-            pin_codec_to_main_device(load_config.device_map, [name for name, _ in model.named_children()])
+        device_map = load_config.device_map
+        # A tensor/expert-parallel rank (a device mesh) gets `{"": its device}`, all in memory: nothing to pin.
+        if isinstance(device_map, dict) and load_config.device_mesh is None:
+            pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
         loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
         quantizer = load_config.hf_quantizer
         if quantizer is not None and quantizer.pre_quantized and getattr(quantizer.quantization_config, "dequantize", False):
@@ -456,12 +528,23 @@ def cast_dequantised_checkpoint(model: FishOmniForSpeech, dtype: torch.dtype | N
     transformers 5.17 keeps every *renamed* weight of a pre-quantized checkpoint in the checkpoint's dtype (bf16)
     whatever `dtype` asks, so a float32 load came out mostly bf16; newer versions already agree (nothing to do).
     After dequantisation no weight is quantized, so all of them take `dtype`. Weights already offloaded to disk
-    (meta) were written with the right dtype by transformers.
+    (meta) were written with the right dtype by transformers. A tensor-parallel shard (a `DTensor`) becomes a new
+    parameter (`.data =` would relabel its dtype without converting its local tensor), marked as loaded the way
+    transformers' loader marks it, or transformers would re-initialise it as a weight it never loaded.
     """
     if dtype is None:
         return
-    for name, parameter in model.named_parameters():
-        if not name.startswith(CODEC_PREFIX) and parameter.is_floating_point() and not parameter.is_meta:
+    for name, parameter in list(model.named_parameters()):
+        if name.startswith(CODEC_PREFIX) or not parameter.is_floating_point() or parameter.is_meta:
+            continue
+        if isinstance(parameter, DTensor):
+            if parameter.dtype == dtype:
+                continue
+            converted = nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
+            converted._is_hf_initialized = True
+            module_name, _, parameter_name = name.rpartition(".")
+            setattr(model.get_submodule(module_name), parameter_name, converted)
+        else:
             parameter.data = parameter.data.to(dtype)
 
 

@@ -22,9 +22,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
 from transformers.utils import ModelOutput
 
 from .configuration_drama3 import Drama3TowerConfig
+
+INIT_STD = 0.02  # standard deviation of a new tower's random weights
 
 # Sampler plugged into `decode_frame`: (head logits [B, V] float32, codebook index 1..NCB-1) -> codes [B] int64.
 CodebookSampler = Callable[[torch.Tensor, int], torch.Tensor]
@@ -231,11 +235,20 @@ def apply_interleaved_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 
 
 class Drama3TowerAttention(nn.Module):
-    """Gated GQA attention: `wqkv` rows [Q | G | K | V], q/k norm before interleaved partial RoPE, sigmoid gate."""
+    """Gated GQA attention: `wqkv` rows [Q | G | K | V], q/k norm before interleaved partial RoPE, sigmoid gate.
+
+    The attention itself runs through transformers' attention interface, as the backbone's does: the kernel of
+    `config._attn_implementation` (`"sdpa"` when unset, `"eager"`, `"flash_attention_2"`, a registered hub kernel).
+    """
+
+    is_causal = True  # read by flash-attention kernels; other kernels get the causal part in the mask
 
     def __init__(self, config: Drama3TowerConfig):
         super().__init__()
+        self.config = config
         self.n_head, self.n_kv, self.head_dim = config.n_head, config.n_local_heads, config.head_dim
+        self.num_key_value_groups = self.n_head // self.n_kv  # read by the attention kernels
+        self.scaling = self.head_dim**-0.5
         q_size, kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
         self.split_sizes = (q_size, q_size, kv_size, kv_size)
         self.wqkv = nn.Linear(config.dim, sum(self.split_sizes), bias=False)
@@ -247,8 +260,8 @@ class Drama3TowerAttention(nn.Module):
         self,
         x: torch.Tensor,  # [B, T, D]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, T, 1, rotary_dim / 2]
-        mask: torch.Tensor,  # [B or 1, 1, T, past + T] bool, True = may attend
-        cache: Drama3TowerCache | None,
+        mask: torch.Tensor | None,  # `tower_attention_mask`: additive [B or 1, 1, T, keys], or [B, keys] for flash
+        cache: Cache | None,
         layer_idx: int,
     ) -> torch.Tensor:
         batch, rows, _ = x.shape
@@ -259,15 +272,11 @@ class Drama3TowerAttention(nn.Module):
         v = v.view(batch, rows, self.n_kv, self.head_dim).transpose(1, 2)
         if cache is not None:
             k, v = cache.update(k, v, layer_idx)  # [B, KV, keys, hd]
-        # Grouped-query attention without copying K/V per query head: query head h reads KV head h // groups, so the
-        # `groups` query heads of a KV head become extra query rows of that head.
-        groups = self.n_head // self.n_kv
-        q = q.reshape(batch, self.n_kv, groups * rows, self.head_dim)  # [B, KV, groups * T, hd]
-        mask = mask.repeat(1, 1, groups, 1) if mask.shape[2] > 1 else mask  # row g * T + t is row t's
-        attn = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.head_dim**-0.5)
-        attn = attn.reshape(batch, self.n_head, rows, self.head_dim).transpose(1, 2)  # [B, T, H, hd]
-        attn = attn.reshape(batch, rows, -1)  # [B, T, H * hd]
-        return self.wo(attn * torch.sigmoid(gate))
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation or "sdpa", eager_attention_forward
+        )
+        attn, _ = attention(self, q, k, v, mask, dropout=0.0, scaling=self.scaling)  # [B, T, H, hd]
+        return self.wo(attn.reshape(batch, rows, -1) * torch.sigmoid(gate))
 
 
 class Drama3TowerFeedForward(nn.Module):
@@ -347,7 +356,8 @@ class Drama3TowerLayer(GradientCheckpointingLayer):
 class Drama3TowerOutput(ModelOutput):
     """Teacher-forced tower output.
 
-    logits: `[B, T, NCB-1, V]`, `[b, t, j]` = head `j` (predicts codebook `j+1` of the label frame of row `t`).
+    logits: `[B, T, NCB-1, V]` (`T` = the kept rows), `[b, t, j]` = head `j` (predicts codebook `j+1` of the label
+        frame of row `t`).
     shared_hidden: `[B, T, D]`, output of the last shared layer.
     cache: the `Drama3TowerCache` passed in, now holding these rows too (None when none was passed). Named
         `cache`, not `past_key_values`: transformers 5.24 renames that `ModelOutput` field to `cache` (and
@@ -359,36 +369,53 @@ class Drama3TowerOutput(ModelOutput):
     cache: Drama3TowerCache | None = None
 
 
-def attention_mask_4d(attention_mask: torch.Tensor | None, past: int, rows: int, device: torch.device) -> torch.Tensor:
-    """Boolean mask `[B or 1, 1, rows, past + rows]` for the new rows (slots `past..past+rows-1`).
+def tower_attention_mask(
+    attention_mask: torch.Tensor | None, past: int, rows: int, dtype: torch.dtype, device: torch.device,
+    implementation: str | None,
+) -> torch.Tensor | None:
+    """The tower's attention mask for `rows` new rows (slots `past..past+rows-1`), in the form the attention kernel
+    of `implementation` takes.
 
-    Causal over cache slots; with `attention_mask` `[B, past + rows]` (1 = real row) padded keys are hidden. A
-    padded query row still sees itself so that its softmax stays finite (its output is never used).
+    Flash-attention kernels: the 2-D padding mask `[B, past + rows]` itself (None without padding); they are causal
+    on their own (`Drama3TowerAttention.is_causal`). Every other kernel: an additive mask `[B or 1, 1, rows, past +
+    rows]` (0 where a key may be attended, the dtype's minimum elsewhere), causal over cache slots, padded keys hidden
+    when `attention_mask` (`[B, past + rows]`, 1 = real row) is given. A padded query row still sees itself so that
+    its softmax stays finite (its output is never used).
     """
-    query = torch.arange(past, past + rows, device=device)[:, None]  # [rows, 1]
-    key = torch.arange(past + rows, device=device)[None, :]  # [1, past + rows]
-    allowed = key <= query  # [rows, past + rows]
-    if attention_mask is None:
-        return allowed[None, None]
-    if attention_mask.dim() != 2 or attention_mask.shape[1] != past + rows:
+    if attention_mask is not None and (attention_mask.dim() != 2 or attention_mask.shape[1] != past + rows):
         raise ValueError(
             f"attention_mask must be [batch, past + rows] = [batch, {past + rows}] (cache rows {past} + new rows "
             f"{rows}), got {tuple(attention_mask.shape)}"
         )
-    allowed = (allowed[None] & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]) | (key == query)[None]
-    return allowed[:, None]
+    if implementation is not None and "flash" in implementation:
+        return None if attention_mask is None or bool(attention_mask.all()) else attention_mask.to(device)
+    query = torch.arange(past, past + rows, device=device)[:, None]  # [rows, 1]
+    key = torch.arange(past + rows, device=device)[None, :]  # [1, past + rows]
+    allowed = (key <= query)[None]  # [1, rows, past + rows]
+    if attention_mask is not None:
+        allowed = (allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]) | (key == query)[None]
+    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
+    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
 
 
-class Drama3CodebookTower(nn.Module):
+class Drama3CodebookTower(PreTrainedModel):
     """The codebook tower: S shared layers, NCB-1 residual layers and NCB-1 heads (SPEC 5).
 
     Frames are rows `[main_id, c0, ..., c(NCB-1)]` (width `1 + NCB`). A frame is audio when its main id lies in
-    the semantic band `[semantic_start_token_id, semantic_start_token_id + V - 1]`.
+    the semantic band `[semantic_start_token_id, semantic_start_token_id + V - 1]`. A transformers sub-model (as
+    the backbone is): `attn_implementation` reaches it with the checks transformers makes for any model.
     """
 
+    config_class = Drama3TowerConfig
+    base_model_prefix = ""
+    main_input_name = "hidden_states"
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+    _no_split_modules = ["Drama3CodebookTower"]  # one device for the whole tower (its layers chain code by code)
+
     def __init__(self, config: Drama3TowerConfig, semantic_start_token_id: int):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.semantic_start_token_id = semantic_start_token_id
         self.num_codebooks = config.num_codebooks
         self.vocab_size = config.vocab_size
@@ -402,6 +429,15 @@ class Drama3CodebookTower(nn.Module):
         self.heads = nn.ModuleList(
             nn.Linear(config.dim, config.vocab_size, bias=False) for _ in range(config.num_codebooks - 1)
         )
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Random weights for a new tower: zero-centred norms at 0 (gain 1), linears and embeddings N(0, 0.02)."""
+        if isinstance(module, Drama3ZeroCenteredNorm):
+            module.weight.zero_()
+        elif isinstance(module, (nn.Linear, nn.Embedding)):
+            module.weight.normal_(0.0, INIT_STD)
 
     @property
     def num_layers(self) -> int:
@@ -455,11 +491,12 @@ class Drama3CodebookTower(nn.Module):
             hidden = layer(hidden, c0, is_audio, extra if index == 0 else None, rope, mask, cache, index)
         return hidden
 
-    def _run_residual(self, j, hidden, code, is_audio, rope, mask, cache) -> tuple[torch.Tensor, torch.Tensor]:
-        """Residual layer `j` consuming `code` `[B, T]`; returns its output and head `j`'s logits `[B, T, V]`."""
+    def _run_residual(self, j, hidden, code, is_audio, rope, mask, cache, keep: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual layer `j` consuming `code` `[B, T]`; returns its output and head `j`'s logits `[B, T, V]` (of the
+        last `keep` rows only when `keep` > 0)."""
         index = len(self.shared_layers) + j
         hidden = self.residual_layers[j](hidden, code, is_audio, None, rope, mask, cache, index)
-        return hidden, self.heads[j](hidden)
+        return hidden, self.heads[j](hidden[:, hidden.shape[1] - keep :] if keep else hidden)
 
     def forward(
         self,
@@ -469,8 +506,10 @@ class Drama3CodebookTower(nn.Module):
         position_ids: torch.Tensor | None = None,  # [B, T] backbone positions of rows t
         attention_mask: torch.Tensor | None = None,  # [B, past + T], 1 = real row, 0 = left padding
         cache: Drama3TowerCache | None = None,
+        logits_to_keep: int = 0,
     ) -> Drama3TowerOutput:
-        """Teacher forcing / prefill: head logits of every codebook 1..NCB-1 of every label frame.
+        """Teacher forcing / prefill: head logits of every codebook 1..NCB-1 of every label frame (of the last
+        `logits_to_keep` label frames when it is > 0: every layer still runs on every row, for the cache).
 
         With a cache, each layer attends over its cached rows plus the new ones (causally) and stores the new
         rows; without one, over the new rows only. Default positions: `past..past+T-1` for every sequence.
@@ -488,7 +527,7 @@ class Drama3CodebookTower(nn.Module):
         if position_ids is None:
             position_ids = torch.arange(past, past + rows, device=device).expand(batch, rows)
         rope = rotary_angles(position_ids.to(device), self.config.rotary_dim, self.config.rope_base)
-        mask = attention_mask_4d(attention_mask, past, rows, device)
+        mask = tower_attention_mask(attention_mask, past, rows, self.dtype, device, self.config._attn_implementation)
 
         is_audio = self.is_audio(label_frames[..., 0])  # [B, T]
         codes = label_frames[..., 1:]  # [B, T, NCB]
@@ -498,7 +537,7 @@ class Drama3CodebookTower(nn.Module):
         shared_hidden = hidden
         logits = []
         for j in range(self.num_codebooks - 1):
-            hidden, head_logits = self._run_residual(j, hidden, codes[..., j], is_audio, rope, mask, cache)
+            hidden, head_logits = self._run_residual(j, hidden, codes[..., j], is_audio, rope, mask, cache, logits_to_keep)
             logits.append(head_logits)
         return Drama3TowerOutput(logits=torch.stack(logits, dim=2), shared_hidden=shared_hidden, cache=cache)
 
@@ -526,7 +565,7 @@ class Drama3CodebookTower(nn.Module):
         past = self._check_cache(cache)
         device = hidden_states.device
         rope = rotary_angles(position_ids.to(device)[:, None], self.config.rotary_dim, self.config.rope_base)
-        mask = attention_mask_4d(attention_mask, past, 1, device)
+        mask = tower_attention_mask(attention_mask, past, 1, self.dtype, device, self.config._attn_implementation)
         return self.decode_codes(hidden_states, input_frame, main_token, rope, mask, cache, sample_codebook)
 
     def decode_codes(
@@ -535,12 +574,12 @@ class Drama3CodebookTower(nn.Module):
         input_frame: torch.Tensor,  # [B, 1 + NCB]
         main_token: torch.Tensor,  # [B]
         rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin [B, 1, 1, rotary_dim / 2] of the last row's position
-        mask: torch.Tensor,  # [B or 1, 1, 1, keys] bool, True = may attend (the keys the cache returns)
+        mask: torch.Tensor | None,  # for the keys the cache returns, as `tower_attention_mask` makes it
         cache: Cache,
         sample_codebook: CodebookSampler,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """`decode_frame` with the rotary angles and the mask given: any transformers `Cache` with one layer per
-        tower layer works, e.g. preallocated `StaticLayer`s whose every slot is a key (the fast decode path)."""
+        tower layer works, e.g. the frame step's preallocated static layers (frame_step.py)."""
         is_audio = self.is_audio(main_token)[:, None]  # [B, 1]
         code = (main_token - self.semantic_start_token_id).clamp(0, self.vocab_size - 1)  # [B]
         extra = self.input_extra(input_frame[:, None])  # [B, 1, D]

@@ -11,7 +11,8 @@ procedure as a single distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2
 the law of "draw from p1; if repeated, draw again from p2", on the device and without a host round trip.
 
 `draw` takes its randomness as uniform noise (an exponential race, exact), and `FrameSampler` makes all the draws
-of one frame from a single noise tensor: the regular and the fast decode path share it, so seeded runs match.
+of one frame from a single noise tensor, filled outside the frame step (so a captured CUDA graph replays with new
+noise each frame, and seeds work as usual).
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class FrameSampler:
     """The draws of one frame of `generate` (SPEC 6): the main token with RAS, then codes 1..NCB-1.
 
     Built from the generation settings. All randomness of a frame is one uniform tensor `[B, NCB, V + 1]`
-    (`frame_noise`): the main token draws from `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`. With
+    (`fill_noise`): the main token draws from `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`. With
     `do_sample=False` every draw is an argmax and no noise is used.
     """
 
@@ -131,11 +132,20 @@ class FrameSampler:
         settings_key = tuple(getattr(settings, name) for name in SAMPLING_SETTINGS) if self.do_sample else ()
         self.key = (self.do_sample, *settings_key)
 
-    def frame_noise(self, batch: int, num_codebooks: int, num_candidates: int, generator, device) -> torch.Tensor | None:
-        """Uniform noise `[batch, NCB, V + 1]` for one frame (None when greedy)."""
+    def fill_noise(self, noise: torch.Tensor, generators: torch.Generator | list | None) -> None:
+        """Fill `noise` `[b, NCB, V + 1]` with one frame's uniforms, in place (nothing to do when greedy).
+
+        `generators` is one `torch.Generator` (or None: torch's default) for all rows, or a list with one per row, so
+        that each sequence draws from its own stream (None entries, for padding rows, are left as they are).
+        """
         if not self.do_sample:
-            return None
-        return torch.rand(batch, num_codebooks, num_candidates, generator=generator, device=device)
+            return
+        if not isinstance(generators, list):
+            noise.uniform_(generator=generators)
+            return
+        for row, generator in enumerate(generators):
+            if generator is not None:
+                noise[row].uniform_(generator=generator)
 
     def main(self, logits: torch.Tensor, history: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
         """Candidate column `[B]` of the main token from its logits `[B, V + 1]` (float32) and the RAS history."""

@@ -1,63 +1,98 @@
 """Audio streamers: hear speech while `generate` is still making it.
 
-`Drama3AudioStreamer` is a transformers `BaseStreamer` (pass it as `generate(..., streamer=...)`) that turns the
-frames of a request into audio chunks with the codec's streaming decoder, so the chunks join into exactly the audio
-of one decode of all frames.
+`generate(..., streamer=...)` calls `streamer.put(codes)` once per frame step in which at least one sequence made a
+frame, with `codes [B, NCB]` (long) for every sequence of the call; the row of a sequence that made no frame in that
+step (it has ended) is all -1. `streamer.end()` follows the last frame. Any transformers `BaseStreamer` can listen.
+
+`Drama3AudioStreamer` turns those frames into audio chunks with the codec's streaming decoder, one decoder per
+sequence, so each sequence's chunks join into exactly the audio of one decode of all its frames.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+# on_audio(sequence, chunk): a decoded float32 chunk `[n * frame_length]` of `sequence`, or None once its audio is done.
+AudioCallback = Callable[[int, "torch.Tensor | None"], None]
+
 
 class Drama3AudioStreamer(BaseStreamer):
-    """Streams audio while `generate` runs: a transformers `BaseStreamer` and an iterator of float32 chunks.
+    """Streams audio while `generate` runs: a transformers `BaseStreamer` and, for one sequence, an iterator of chunks.
 
-    `generate(..., streamer=streamer)` puts each new frame's codes; every `chunk_frames` frames (the first chunk
-    after `first_chunk_frames`, for an early start) the codec decodes them with carried state, so the chunks
-    concatenate to the audio of one decode of all frames. Iterate from another thread, or read `chunks` after
-    generation. Batch size 1 only.
+    Every `chunk_frames` frames of a sequence (its first chunk after `first_chunk_frames`, for an early start) the
+    codec decodes them with carried state. Batch 1: iterate the streamer (from another thread) or read `chunks` after
+    generation. Any batch: pass `on_audio(sequence, chunk)`, called with each chunk of each sequence in order, then
+    with `chunk=None` as soon as that sequence has ended (not only at the end of the call).
 
     `overlap=True` decodes in a worker thread (on its own CUDA stream on a GPU) while generation goes on, instead of
-    in the generating thread between two frames: the same chunks, in the same order, and the codec's time no longer
-    adds to the frames'. `end()` waits for the worker and re-raises an error it met.
+    in the generating thread between two frames: the same chunks in the same order, and the codec's time no longer
+    adds to the frames'. `on_audio` is then called from the worker. `end()` waits for the worker and re-raises an
+    error it met.
     """
 
     def __init__(
         self, codec, chunk_frames: int = 7, first_chunk_frames: int = 1, timeout: float | None = None,
-        overlap: bool = False,
+        overlap: bool = False, on_audio: AudioCallback | None = None,
     ):
         if chunk_frames < 1 or first_chunk_frames < 1:
             raise ValueError(f"chunk_frames ({chunk_frames}) and first_chunk_frames ({first_chunk_frames}) must be >= 1")
-        self.decoder = codec.stream()
+        self.codec = codec
         self.chunk_frames = chunk_frames
         self.first_chunk_frames = first_chunk_frames
         self.timeout = timeout
-        self.chunks: list[torch.Tensor] = []
-        self._pending: list[torch.Tensor] = []  # codes [NCB] of frames not decoded yet
-        self._flushed = 0  # chunks handed to the codec
+        self.on_audio = on_audio
+        self.chunks: list[torch.Tensor] = []  # batch 1 without on_audio: the chunks so far
+        self._sequences: list[_SequenceStream] | None = None  # one per sequence, made at the first put
         self._queue: queue.Queue = queue.Queue()
-        self._jobs: queue.Queue | None = queue.Queue() if overlap else None  # (codes, CUDA event or None), None = stop
+        self._jobs: queue.Queue | None = queue.Queue() if overlap else None  # (sequence, codes, CUDA event), None = stop
         self._worker = threading.Thread(target=self._decode_jobs, daemon=True) if overlap else None
         self._error: BaseException | None = None  # the worker's first error: later chunks are dropped
         if self._worker is not None:
             self._worker.start()
 
+    @property
+    def decoder(self):
+        """The streaming decoder of sequence 0 (batch 1)."""
+        return self._stream(0, 1).decoder
+
+    def _stream(self, sequence: int, batch: int) -> _SequenceStream:
+        if self._sequences is None:
+            if batch > 1 and self.on_audio is None:
+                raise ValueError(
+                    f"Drama3AudioStreamer got a batch of {batch} sequences: pass on_audio=fn(sequence, chunk) to "
+                    "receive each sequence's audio (iterating the streamer serves one sequence)"
+                )
+            self._sequences = [_SequenceStream(self.codec.stream()) for _ in range(batch)]
+        if batch != len(self._sequences):
+            raise ValueError(f"Drama3AudioStreamer serves one call: it has {len(self._sequences)} sequences, got {batch}")
+        return self._sequences[sequence]
+
     def put(self, value: torch.Tensor) -> None:
-        """`value`: the codes `[1, NCB]` of one new frame."""
-        if value.dim() != 2 or value.shape[0] != 1:
-            raise ValueError(f"Drama3AudioStreamer takes one frame of batch 1, codes [1, num_codebooks]; got {tuple(value.shape)}")
-        self._pending.append(value[0])
-        due = self.first_chunk_frames if not self._flushed else self.chunk_frames
-        if len(self._pending) >= due:
-            self._flush()
+        """`value`: the codes `[B, NCB]` of one frame step, a row of -1 for a sequence that made no frame."""
+        if value.dim() != 2:
+            raise ValueError(f"Drama3AudioStreamer takes one frame step's codes [batch, num_codebooks]; got {tuple(value.shape)}")
+        made = (value[:, 0] >= 0).tolist()
+        for sequence, has_frame in enumerate(made):
+            stream = self._stream(sequence, len(made))
+            if stream.ended:
+                continue
+            if not has_frame:
+                self._finish(sequence)
+                continue
+            stream.pending.append(value[sequence])
+            due = self.first_chunk_frames if not stream.flushed else self.chunk_frames
+            if len(stream.pending) >= due:
+                self._flush(sequence)
 
     def end(self) -> None:
-        self._flush()
+        for sequence in range(len(self._sequences or ())):
+            if not self._sequences[sequence].ended:
+                self._finish(sequence)
         if self._worker is not None and self._worker.is_alive():
             self._jobs.put(None)
             self._worker.join()
@@ -66,27 +101,41 @@ class Drama3AudioStreamer(BaseStreamer):
         if error is not None:  # raised once, by the first end()
             raise error
 
-    def _flush(self) -> None:
-        if not self._pending:
+    def _finish(self, sequence: int) -> None:
+        """Decode what is left of `sequence` and announce the end of its audio."""
+        self._flush(sequence)
+        self._sequences[sequence].ended = True
+        self._submit(sequence, None)
+
+    def _flush(self, sequence: int) -> None:
+        stream = self._sequences[sequence]
+        if not stream.pending:
             return
-        codes = torch.stack(self._pending, dim=1)[None]  # [1, NCB, n]
-        self._pending = []
-        self._flushed += 1
+        codes = torch.stack(stream.pending, dim=1)[None]  # [1, NCB, n]
+        stream.pending = []
+        stream.flushed += 1
+        self._submit(sequence, codes)
+
+    def _submit(self, sequence: int, codes: torch.Tensor | None) -> None:
+        """Decode `codes` (None: the end mark) of `sequence`, here or in the worker, in order."""
         if self._jobs is None:
-            self._emit(self._decode(codes))
+            self._emit(sequence, None if codes is None else self._decode(sequence, codes))
             return
         event = None
-        if codes.device.type == "cuda":  # the worker's stream waits for the codes to be written
+        if codes is not None and codes.device.type == "cuda":  # the worker's stream waits for the codes to be written
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(codes.device))
-        self._jobs.put((codes, event))
+        self._jobs.put((sequence, codes, event))
 
-    def _decode(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.decoder.decode(codes)[0].cpu()  # [n * frame_length]
+    def _decode(self, sequence: int, codes: torch.Tensor) -> torch.Tensor:
+        return self._sequences[sequence].decoder.decode(codes)[0].cpu()  # [n * frame_length]
 
-    def _emit(self, chunk: torch.Tensor) -> None:
-        self.chunks.append(chunk)
-        self._queue.put(chunk)
+    def _emit(self, sequence: int, chunk: torch.Tensor | None) -> None:
+        if self.on_audio is not None:
+            self.on_audio(sequence, chunk)
+        elif chunk is not None:
+            self.chunks.append(chunk)
+            self._queue.put(chunk)
 
     def _decode_jobs(self) -> None:
         """The worker of `overlap=True`: decode chunks in order until told to stop; keep the first error."""
@@ -94,16 +143,18 @@ class Drama3AudioStreamer(BaseStreamer):
         while (job := self._jobs.get()) is not None:
             if self._error is not None:
                 continue
-            codes, event = job
+            sequence, codes, event = job
             try:
-                if event is None:
-                    self._emit(self._decode(codes))
-                    continue
-                stream = stream or torch.cuda.Stream(codes.device)
-                with torch.cuda.stream(stream):
-                    stream.wait_event(event)
-                    codes.record_stream(stream)
-                    self._emit(self._decode(codes))
+                if codes is None:
+                    self._emit(sequence, None)
+                elif event is None:
+                    self._emit(sequence, self._decode(sequence, codes))
+                else:
+                    stream = stream or torch.cuda.Stream(codes.device)
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(event)
+                        codes.record_stream(stream)
+                        self._emit(sequence, self._decode(sequence, codes))
             except Exception as error:  # noqa: BLE001  (re-raised by end(), in the generating thread)
                 self._error = error
 
@@ -117,4 +168,14 @@ class Drama3AudioStreamer(BaseStreamer):
         return chunk
 
 
-__all__ = ["Drama3AudioStreamer"]
+class _SequenceStream:
+    """The streaming state of one sequence: its codec decoder, frames not decoded yet, chunks sent, whether it ended."""
+
+    def __init__(self, decoder):
+        self.decoder = decoder
+        self.pending: list[torch.Tensor] = []  # codes [NCB] of frames not decoded yet
+        self.flushed = 0
+        self.ended = False
+
+
+__all__ = ["AudioCallback", "Drama3AudioStreamer"]

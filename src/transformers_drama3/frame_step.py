@@ -1,0 +1,298 @@
+"""The one frame step of Drama 3 generation and the state it runs over.
+
+A frame (docs/format.md, "Prefill and decoding"): main-token logits from the last backbone hidden state -> the
+main token (EOS or `<|semantic:c0|>`, with repetition-aware sampling) -> the tower's codes c1..c9, code by code ->
+the new frame row is embedded and fed to the backbone, which gives the next hidden state.
+
+`FrameState` holds everything a step reads and writes for `batch` sequences, in fixed buffers: transformers'
+`StaticCache` for the backbone (full-attention keys/values and linear-attention conv/recurrent states), static
+layers for the 13 tower layers, and the last hidden state, row, position, slot mask, RAS window, noise, flags and
+outputs. `FrameState.step` never changes a shape, never reads a value back to the host and updates every buffer
+in place. The same step runs everywhere: eagerly on a CPU or under accelerate offload, and captured once as a CUDA
+graph and replayed (`cuda_graphs.py`) on a GPU.
+
+Attention reads a window of the cache rows (`attention_window`: 256 rows doubled until the rows in use fit), so a
+step costs about what the request uses, with a handful of distinct shapes. A state's capacity is the largest window
+it has needed: it starts small and grows (`FrameState.grown`) as a request gets longer, so memory follows the rows
+actually generated, never the `max_new_tokens` a caller asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from transformers import StaticCache
+from transformers.cache_utils import Cache, StaticLayer
+
+from .device_placement import execution_device
+from .modeling_tower import rotary_angles
+from .sampling import FrameSampler
+
+WINDOW_CHUNK = 256  # the smallest attention window; windows double from here
+
+# A hook on the main-token logits of a step: logits [b, V + 1] float32 -> logits [b, V + 1] (user logits processors).
+MainLogitsHook = Callable[[torch.Tensor], torch.Tensor]
+
+
+def attention_window(rows: int, limit: int) -> int:
+    """Cache rows a step attends over when `rows` rows are in use: `WINDOW_CHUNK` doubled until it holds them, at
+    most `limit` (the most rows a request can ever use)."""
+    window = WINDOW_CHUNK
+    while window < rows:
+        window *= 2
+    return min(window, limit)
+
+
+def row_limit(max_positions: int) -> int:
+    """The most cache rows a request can use: every position of the context, plus the row a step writes after the
+    last frame (fed back, never read), rounded up to `WINDOW_CHUNK`."""
+    return -(-(max_positions + 1) // WINDOW_CHUNK) * WINDOW_CHUNK
+
+
+class WindowedStaticLayer(StaticLayer):
+    """transformers' `StaticLayer` (fixed buffers, in-place writes) that returns only its first `visible_rows` slots,
+    set before each step, so attention skips the unused end of the buffers."""
+
+    def __init__(self, max_cache_len: int):
+        super().__init__(max_cache_len=max_cache_len)
+        self.visible_rows = max_cache_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        keys, values = super().update(key_states, value_states, *args, **kwargs)  # [B, KV, capacity, hd]
+        return keys[:, :, : self.visible_rows], values[:, :, : self.visible_rows]
+
+    def get_mask_sizes(self, *args, **kwargs) -> tuple[int, int]:
+        return self.visible_rows, 0
+
+
+def _rows_held(layer) -> int:
+    """Rows held by a cache layer with keys (dynamic, static or tower), as a Python int."""
+    return int(layer.get_seq_length())
+
+
+def copy_cache_rows(target: Cache, source: Cache, index: torch.Tensor) -> None:
+    """Copy the sequences `index` `[b]` of `source` into the preallocated layers of `target` (batch b), in place.
+
+    `source` may be dynamic (the prefill's caches) or static (another state): attention layers copy their valid rows
+    and set the row counter, linear-attention layers their conv and recurrent states.
+    """
+    for target_layer, layer in zip(target.layers, source.layers):
+        if isinstance(target_layer, StaticLayer):
+            rows = _rows_held(layer) if getattr(layer, "keys", None) is not None else 0  # 0: an empty layer
+            if rows:
+                source_index = index.to(layer.keys.device)
+                target_layer.keys[:, :, :rows].copy_(layer.keys[:, :, :rows].index_select(0, source_index))
+                target_layer.values[:, :, :rows].copy_(layer.values[:, :, :rows].index_select(0, source_index))
+            target_layer.cumulative_length.fill_(rows)
+        for name in ("conv_states", "recurrent_states"):
+            for state_idx, state in getattr(layer, name, {}).items():
+                if state is not None:
+                    getattr(target_layer, name)[state_idx].copy_(state.index_select(0, index.to(state.device)))
+
+
+def allocate_like(target: Cache, source: Cache, batch: int) -> None:
+    """Allocate every layer of `target` for `batch` sequences, with the shapes, dtypes and devices of `source`'s."""
+    for target_layer, layer in zip(target.layers, source.layers):
+        if getattr(layer, "keys", None) is not None:
+            keys, values = layer.keys, layer.values  # [B, KV, rows, hd]
+            target_layer.lazy_initialization(
+                keys.new_empty(batch, keys.shape[1], 1, keys.shape[3]),
+                values.new_empty(batch, values.shape[1], 1, values.shape[3]),
+            )
+        conv, recurrent = getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})
+        for state_idx in conv:
+            if conv[state_idx] is None:
+                continue
+            target_layer.lazy_initialization(
+                conv_states=conv[state_idx].new_empty(batch, *conv[state_idx].shape[1:]),
+                recurrent_states=recurrent[state_idx].new_empty(batch, *recurrent[state_idx].shape[1:]),
+                state_idx=state_idx,
+            )
+            # Decode steps take the one-row update path, which reads this flag.
+            target_layer.has_previous_state[state_idx] = True
+
+
+def step_mask(valid: torch.Tensor, dtype: torch.dtype, attention: str | None) -> torch.Tensor:
+    """The attention mask of one step's query row from the slot mask `valid` `[b, visible]` (True = a real row).
+
+    Kernels that take a 4-D mask (sdpa, eager, ...) get an additive bias `[b, 1, 1, visible]` (0, or the dtype's
+    minimum where a slot holds no row); flash-attention kernels take the 2-D padding mask `[b, visible]` itself.
+    """
+    if attention is not None and "flash" in attention:
+        return valid.long()
+    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+    return bias.masked_fill(~valid, torch.finfo(dtype).min)[:, None, None, :]
+
+
+class FrameState:
+    """Everything one frame step reads and writes, at fixed addresses, for `batch` sequences and `capacity` rows.
+
+    The backbone's layers take their shapes, dtypes and devices from `template`, a filled backbone cache (the
+    prefill's, or another state's). Sequences come in with `load_prefill` or `load_from`.
+    """
+
+    def __init__(self, model, batch: int, capacity: int, ras_window: int, template: Cache, scores: bool = False):
+        config = model.config
+        self.model, self.batch, self.capacity, self.ras_window = model, batch, capacity, ras_window
+        device = model.input_device  # frame rows live where the embedding runs
+        head_device = execution_device(model.lm_head)
+        self.candidates = model.main_candidate_ids(head_device)  # [V + 1]
+        num_candidates = self.candidates.numel()
+        hidden_size = config.text_config.hidden_size
+        # The V + 1 candidate rows of lm_head, copied into one weight at every request (`load_prefill`): the head's
+        # other ~248k rows are never read. A quantised or offloaded lm_head runs whole through `main_logits`.
+        plain_head = type(model.lm_head) is nn.Linear and not model.lm_head.weight.is_meta
+        self.head_weight = model.lm_head.weight.new_empty(num_candidates, hidden_size) if plain_head else None
+
+        self.cache = StaticCache(config=config.text_config, max_cache_len=capacity)
+        for index, layer in enumerate(self.cache.layers):  # full attention: windowed; linear attention: as built
+            if type(layer) is StaticLayer:
+                self.cache.layers[index] = WindowedStaticLayer(capacity)
+        allocate_like(self.cache, template, batch)
+        keys_like = next(layer.keys for layer in template.layers if getattr(layer, "keys", None) is not None)
+        tower = model.tower.config
+        tower_device = execution_device(model.tower)
+        tower_dtype = keys_like.dtype if model.tower.heads[0].weight.is_meta else model.tower.heads[0].weight.dtype
+        like = torch.empty(batch, tower.n_local_heads, 1, tower.head_dim, dtype=tower_dtype, device=tower_device)
+        self.tower_cache = Cache(layers=[WindowedStaticLayer(capacity) for _ in range(model.tower.num_layers)])
+        for layer in self.tower_cache.layers:
+            layer.lazy_initialization(like, like)
+
+        long = dict(dtype=torch.long, device=device)
+        self.hidden = torch.zeros(batch, hidden_size, dtype=keys_like.dtype, device=head_device)  # [b, D]
+        self.row = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] the last row
+        self.position = torch.zeros(batch, **long)  # [b] the last row's position
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # [b, C] slots holding real rows
+        self.slot = torch.zeros(1, **long)  # the backbone slot of the next row
+        self.history = torch.full((batch, ras_window), -1, dtype=torch.long, device=head_device)  # [b, W] RAS window
+        self.noise = torch.zeros(batch, config.num_codebooks, num_candidates, device=head_device)  # [b, NCB, V + 1]
+        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)  # [b] EOS drawn, stopped, or a padding row
+        self.count = torch.zeros(batch, **long)  # [b] frames produced
+        self.new_rows = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] output of the step
+        # [b, V + 1] the step's main-token logits (after any hook), for `output_scores` and stopping criteria.
+        self.scores = torch.zeros(batch, num_candidates, device=head_device) if scores else None
+        self.graphs: dict[tuple, object] = {}  # captured steps (cuda_graphs.py), per sampling key and window
+        self.compiled: dict[str, object] = {}  # `step` compiled by torch.compile, per backend
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Loading sequences
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _padded(self, index: torch.Tensor) -> torch.Tensor:
+        """`index` `[n]` padded to `[batch]` with its first entry (padding rows copy a real sequence)."""
+        return torch.cat((index, index[:1].expand(self.batch - index.numel())))
+
+    def _load_rows(self, index, cache, tower_cache, hidden, row, position, valid, history, ended, count, slot: int):
+        members = index.numel()
+        index = self._padded(index)
+        copy_cache_rows(self.cache, cache, index)
+        copy_cache_rows(self.tower_cache, tower_cache, index)
+        self.valid.zero_()
+        self.valid[:, :slot].copy_(valid[:, :slot].index_select(0, index.to(valid.device)))
+        self.hidden.copy_(hidden.index_select(0, index.to(hidden.device)))
+        self.row.copy_(row.index_select(0, index.to(row.device)))
+        self.position.copy_(position.index_select(0, index.to(position.device)))
+        self.history.fill_(-1)
+        if self.ras_window:
+            history = history[:, -self.ras_window :]
+            self.history[:, self.ras_window - history.shape[1] :].copy_(history.index_select(0, index.to(history.device)))
+        self.ended.copy_(ended.index_select(0, index.to(ended.device)))
+        self.ended[members:] = True
+        self.count.copy_(count.index_select(0, index.to(count.device)))
+        self.slot.fill_(slot)
+
+    def load_prefill(self, cache: Cache, tower_cache: Cache, hidden, rows, positions, mask, ras_window: int) -> None:
+        """Take every sequence of a prefill: its caches, last hidden state `[B, D]`, prompt `rows [B, T, 1 + NCB]`,
+        `positions [B, T]` and row mask `[B, T]` (1 = real row)."""
+        batch, slots = rows.shape[:2]
+        model = self.model
+        main = rows[..., 0]
+        # RAS window: the last prompt rows' main ids as candidate columns (-1 for text rows).
+        columns = torch.where(model.is_audio_row(main), main - model.config.semantic_start_token_id + 1, -1)
+        history = columns[:, max(slots - ras_window, 0) :] if ras_window else columns[:, :0]
+        index = torch.arange(batch, device=self.slot.device)
+        zeros = torch.zeros(batch, dtype=torch.long, device=self.slot.device)
+        self._load_rows(
+            index, cache, tower_cache, hidden, rows[:, -1], positions[:, -1], mask.bool(), history, zeros.bool(),
+            zeros, slots,
+        )
+        if self.head_weight is not None:  # refreshed every request: the weights may have changed in place
+            self.head_weight.copy_(model.lm_head.weight.index_select(0, self.candidates))
+
+    def load_from(self, other: FrameState, keep: torch.Tensor) -> None:
+        """Take the sequences `keep` `[n]` (n <= batch) of another state, in that order."""
+        self._load_rows(
+            keep, other.cache, other.tower_cache, other.hidden, other.row, other.position, other.valid, other.history,
+            other.ended, other.count, int(other.slot),
+        )
+        if self.head_weight is not None:
+            self.head_weight.copy_(other.head_weight)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The frame step
+    # ------------------------------------------------------------------------------------------------------------
+
+    def main_logits(self) -> torch.Tensor:
+        """Main-token logits `[b, V + 1]` (float32) of the last hidden states."""
+        if self.head_weight is not None:
+            return nn.functional.linear(self.hidden, self.head_weight).float()
+        return self.model.main_logits(self.hidden, self.candidates).float()
+
+    def step(self, sampler: FrameSampler, visible: int, main_logits_hook: MainLogitsHook | None = None) -> None:
+        """One frame for every sequence of the state, in place: writes `new_rows`, advances every buffer.
+
+        Attention reads the first `visible` cache rows, which must hold every row in use after this step
+        (`attention_window`). `main_logits_hook` (eager steps only) may change the main-token logits before the draw.
+        """
+        model = self.model
+        for layer in (*self.cache.layers, *self.tower_cache.layers):
+            if isinstance(layer, WindowedStaticLayer):
+                layer.visible_rows = visible
+        logits = self.main_logits()  # [b, V + 1]
+        if main_logits_hook is not None:
+            logits = main_logits_hook(logits)
+        if self.scores is not None:
+            self.scores.copy_(logits)
+        noise = self.noise if sampler.do_sample else None
+        column = sampler.main(logits, self.history, noise)  # [b] candidate column (0 = EOS)
+        main = self.candidates[column]  # [b] token ids
+
+        attention = model.config.text_config._attn_implementation
+        tower_config = model.tower.config
+        tower_device = self.tower_cache.layers[0].keys.device
+        # The tower's new row sits at the slot of the last row (it lags the backbone by one): it reads the slots in
+        # use before this step's new row.
+        tower_keys = self.tower_cache.layers[0].keys
+        tower_mask = step_mask(self.valid[:, :visible].to(tower_device), tower_keys.dtype, attention)
+        rope = rotary_angles(self.position.to(tower_device)[:, None], tower_config.rotary_dim, tower_config.rope_base)
+        codes, _ = model.tower.decode_codes(
+            self.hidden.to(tower_device), self.row.to(tower_device), main.to(tower_device), rope, tower_mask,
+            self.tower_cache, lambda head_logits, index: sampler.codebook(head_logits, index, noise),
+        )  # [b, NCB]
+        if self.ras_window:
+            self.history.copy_(torch.cat((self.history[:, 1:], column[:, None]), dim=1))
+        self.ended.logical_or_((column == 0).to(self.ended.device))
+        self.count.add_((~self.ended).long())
+        new_rows = torch.cat((main[:, None].to(codes.device), codes), dim=1).to(self.new_rows.device)  # [b, 1 + NCB]
+        self.new_rows.copy_(new_rows)
+
+        # Feed the new rows back: one backbone step at the next slot.
+        self.valid.index_fill_(1, self.slot, True)
+        backbone_mask = step_mask(self.valid[:, :visible], self.hidden.dtype, attention)
+        backbone_masks = {"full_attention": backbone_mask, "linear_attention": None}
+        self.position.add_(1)
+        hidden = model.run_backbone(new_rows[:, None], self.position[:, None], backbone_masks, self.cache)  # [b, 1, D]
+        self.hidden.copy_(hidden[:, 0])
+        self.row.copy_(new_rows)
+        self.slot.add_(1)
+
+    def grown(self, capacity: int) -> FrameState:
+        """A state with room for `capacity` rows holding this state's sequences (padding rows included)."""
+        bigger = FrameState(self.model, self.batch, capacity, self.ras_window, self.cache, self.scores is not None)
+        bigger.load_from(self, torch.arange(self.batch, device=self.slot.device))
+        return bigger
+
+
+__all__ = ["FrameState", "WindowedStaticLayer", "attention_window", "row_limit", "step_mask"]

@@ -20,7 +20,7 @@ recomputed at a time during backward; the peak adds that layer's activations. No
 saved for backward, gradients of activations during backward (with the experts adapted, the gradient of one layer's
 merged experts) and allocator fragmentation.
 
-    python benchmarks/finetune_memory.py              # prints the tables of docs/finetuning.md (about 8 minutes)
+    python benchmarks/finetune_memory.py     # the tables of docs/finetuning.md (4 to 8 minutes on 2 cores)
     python benchmarks/finetune_memory.py --rows 256 --json memory.json
 """
 
@@ -132,7 +132,8 @@ def measure(preset: str, num_experts: int, rows: int, real_tower: bool = True) -
         "tower": [inner.tower],
     })
     model.train()
-    with torch.autocast("cpu", dtype=torch.bfloat16), torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+    counting = torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda tensor: tensor)
+    with torch.autocast("cpu", dtype=torch.bfloat16), counting:
         model(**training_batch(rows, config))
     return counter.bytes
 
@@ -197,8 +198,8 @@ def main() -> None:
 
         other = layer("other")
         if not checkpointing:
-            return other + linear_layers * layer("linear_attention_layer") + full_layers * layer("full_attention_layer") \
-                + layer("tower")
+            backbone = linear_layers * layer("linear_attention_layer") + full_layers * layer("full_attention_layer")
+            return other + backbone + layer("tower")
         largest = max(layer("linear_attention_layer"), layer("full_attention_layer"), layer("tower", tower_layers))
         return other + rows * (linear_layers + full_layers + tower_layers) * checkpoint_input + largest
 

@@ -152,7 +152,8 @@ def test_a_second_run_resumes_without_encoding_again(prepared, data_dir, model, 
 
     encoded = []
     encode = prepare_module.encode_clips
-    monkeypatch.setattr(prepare_module, "encode_clips", lambda codec, clips: encoded.append(len(clips)) or encode(codec, clips))
+    monkeypatch.setattr(prepare_module, "encode_clips",
+                        lambda codec, clips: encoded.append(len(clips)) or encode(codec, clips))
     run()
     assert sum(encoded) == len(GOOD_CLIPS) and max(encoded) <= 4  # batched (silent.wav is dropped once read)
     encoded.clear()
@@ -188,7 +189,8 @@ def test_speaker_tags_and_references_are_put_in_every_prompt(data_dir, model, pr
         prompt = processor.build_prompt_rows(expected_text, references=[voice])
         assert example["text"] == expected_text
         assert torch.equal(torch.tensor(example["input_ids"])[: prompt.shape[0]], prompt)
-        assert (torch.tensor(example["labels"])[: prompt.shape[0], 0] == -100).all()  # the reference is given, not learned
+        # The references are given, not learned.
+        assert (torch.tensor(example["labels"])[: prompt.shape[0], 0] == -100).all()
 
 
 def test_metadata_csv_in_the_ljspeech_layout(tmp_path):
@@ -265,7 +267,8 @@ def test_collator_left_pads_and_a_padded_batch_computes_what_each_example_does(p
         together = model(**batch)
         for index, length in enumerate(lengths):
             alone = model(**Drama3SpeechCollator()([examples[index]]))
-            torch.testing.assert_close(together.main_logits[index, -length:], alone.main_logits[0], atol=MAIN_ATOL, rtol=0)
+            torch.testing.assert_close(together.main_logits[index, -length:], alone.main_logits[0],
+                                       atol=MAIN_ATOL, rtol=0)
             torch.testing.assert_close(together.codebook_logits[index, -length + 1 :], alone.codebook_logits[0, 1:],
                                        atol=CODEBOOK_ATOL, rtol=0)
 
@@ -294,7 +297,8 @@ def test_presets_adapt_backbone_and_tower_but_never_the_codec(prepared, model):
     assert not any(".codec." in name for name in adapted)
     assert any(".tower.heads." in name for name in adapted) and any(".tower.shared_layers." in name for name in adapted)
     assert any("mlp.shared_expert.down_proj" in name for name in adapted)
-    assert any("self_attn.q_proj" in name for name in adapted) and any("linear_attn.in_proj_qkv" in name for name in adapted)
+    assert any("self_attn.q_proj" in name for name in adapted)
+    assert any("linear_attn.in_proj_qkv" in name for name in adapted)
     assert any("mlp.experts" in name for name in adapted)  # the fused 3-D expert tensors
     trainable = {name for name, parameter in peft_model.named_parameters() if parameter.requires_grad}
     assert trainable and all(".lora_" in name for name in trainable)
@@ -331,7 +335,8 @@ def test_checkpointing_recomputes_layers_and_gives_the_same_gradients(prepared):
     batch = Drama3SpeechCollator()([prepared.dataset[i] for i in range(3)])
     inner = peft_model.get_base_model()
     runs = {"backbone": 0, "tower": 0}
-    inner.backbone.layers[0].mlp.register_forward_pre_hook(lambda *_: runs.__setitem__("backbone", runs["backbone"] + 1))
+    inner.backbone.layers[0].mlp.register_forward_pre_hook(
+        lambda *_: runs.__setitem__("backbone", runs["backbone"] + 1))
     inner.tower.residual_layers[0].transformer_layer.register_forward_pre_hook(
         lambda *_: runs.__setitem__("tower", runs["tower"] + 1))
 

@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(prepared.dataset)} examples ({seconds / 60:.1f} min of audio) in {args.out_dir / DATASET_DIR}",
               file=sys.stderr)
         if prepared.skipped:
-            print(f"{len(prepared.skipped)} clips skipped (all listed in {args.out_dir / SKIPPED_FILE}):", file=sys.stderr)
+            print(f"{len(prepared.skipped)} clips skipped (all listed in {args.out_dir / SKIPPED_FILE}):",
+                  file=sys.stderr)
             for clip in prepared.skipped[:SKIPPED_SHOWN]:
                 print(f"  {clip.name}: {clip.reason}", file=sys.stderr)
     return 0

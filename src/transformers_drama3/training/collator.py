@@ -66,8 +66,9 @@ class Drama3SpeechCollator:
             raise KeyError(f"example {index} has no {key!r}: collate examples made by prepare_dataset / speech_example")
         rows = torch.as_tensor(example[key])
         if rows.ndim != 2 or rows.shape[0] == 0 or rows.dtype.is_floating_point:
-            raise ValueError(f"example {index}: {key} must be integer frame rows [rows, 1 + K], got {tuple(rows.shape)} "
-                             f"{rows.dtype}")
+            raise ValueError(
+                f"example {index}: {key} must be integer frame rows [rows, 1 + K], got {tuple(rows.shape)} {rows.dtype}"
+            )
         return rows.long()
 
 

@@ -162,7 +162,8 @@ def prepare_dataset(
     ready = [plan for plan in plans if _codes_path(out_dir / CODES_DIR, plan.recording).is_file()]
     if not ready:
         raise ValueError(f"no usable clip in {str(data_dir)!r}: every clip was skipped (see {out_dir / SKIPPED_FILE})")
-    return PreparedDataset(dataset=_save_dataset(ready, out_dir, processor), skipped=skipped, path=out_dir / DATASET_DIR)
+    dataset = _save_dataset(ready, out_dir, processor)
+    return PreparedDataset(dataset=dataset, skipped=skipped, path=out_dir / DATASET_DIR)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -186,7 +187,9 @@ def _as_voice(reference: Any, processor: Drama3Processor, codec: FishDACCodec) -
     if isinstance(reference, dict) and reference.get("audio") is not None and reference.get("codes") is None:
         unknown = set(reference) - {"transcript", "audio", "sampling_rate"}
         if unknown:
-            raise ValueError(f"a reference has unknown keys {sorted(unknown)}; use 'transcript', 'audio', 'sampling_rate'")
+            raise ValueError(
+                f"a reference has unknown keys {sorted(unknown)}; use 'transcript', 'audio', 'sampling_rate'"
+            )
         return processor.create_voice(reference.get("transcript"), reference["audio"], reference.get("sampling_rate"),
                                       codec=codec)
     return reference
@@ -217,7 +220,8 @@ def _plan(recordings, processor, voices, speaker, max_seconds) -> tuple[list[_Pl
         if samples == 0:
             skipped.append(SkippedClip(recording.name, "empty audio: the file holds no samples"))
         elif samples / rate > max_seconds:
-            skipped.append(SkippedClip(recording.name, f"too long: {samples / rate:.1f} s > max_seconds = {max_seconds:g} s"))
+            reason = f"too long: {samples / rate:.1f} s > max_seconds = {max_seconds:g} s"
+            skipped.append(SkippedClip(recording.name, reason))
         else:
             plans.append(_Plan(recording, text, prompt, samples, rate))
     return plans, skipped

@@ -59,9 +59,9 @@ def best_time(run, repeats: int, device: torch.device) -> float:
 def build_codec(seed: int, device: torch.device, dtype: torch.dtype) -> tuple[FishDACCodec, float]:
     start = time.perf_counter()
     config = FishDACConfig()
-    codec = FishDACCodec(config)
-    codec.load_original_state_dict(random_original_codec_state_dict(config, torch.Generator().manual_seed(seed)))
-    codec = codec.to(device=device, dtype=dtype).eval()
+    state_dict = random_original_codec_state_dict(config, torch.Generator().manual_seed(seed))
+    codec = FishDACCodec.from_codec_state_dict(state_dict, config)  # what loading a real codec.pth runs
+    codec = codec.to(device=device, dtype=dtype)
     return codec, time.perf_counter() - start
 
 

@@ -2,7 +2,8 @@
 any version of the package: put its `src/` first on PYTHONPATH).
 
 Greedy decoding with the end-of-speech row of `lm_head` zeroed (every run makes exactly `--frames` frames), batch
-sizes `--batches` (every sequence the same prompt), the median of `--repeats` calls after one untimed call.
+sizes `--batches` (every sequence the same prompt), the median of `--repeats` calls after one untimed call: wall time,
+and the process's CPU time (steadier when other processes share the machine).
 
     python benchmarks/generate_speed.py --config tiny --batches 1,4
     PYTHONPATH=/path/to/other/checkout/src python benchmarks/generate_speed.py --config tiny --batches 1,4
@@ -39,14 +40,17 @@ def main() -> None:
     results = {"package": transformers_drama3.__file__, "config": args.config, "frames": args.frames}
     for batch in (int(b) for b in args.batches.split(",")):
         prompt = random_prompt(config, args.prompt_rows, batch, torch.device("cpu"), args.seed)
-        seconds = []
+        seconds, cpu_seconds = [], []
         for repeat in range(args.repeats + 1):
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             out = model.generate(prompt, do_sample=False, max_new_tokens=args.frames, output_audio=False)
             if repeat:
                 seconds.append(time.perf_counter() - start)
+                cpu_seconds.append(time.process_time() - cpu_start)
         assert all(codes.shape[1] == args.frames for codes in out.codes)
         results[f"batch {batch} ms per frame"] = 1e3 * statistics.median(seconds) / args.frames
+        # CPU time of the process: less sensitive than wall time to other processes on a shared machine.
+        results[f"batch {batch} CPU ms per frame"] = 1e3 * statistics.median(cpu_seconds) / args.frames
     print(json.dumps(results))
 
 

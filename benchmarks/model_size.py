@@ -3,8 +3,8 @@
 The model is built on the meta device from `FishOmniConfig()` (the real geometry: Qwen3.5-35B-A3B backbone, the
 13-layer tower, the real codec), so nothing is allocated. Parameters are counted per group (routed experts, the
 backbone's dense linears, the rest of the backbone, lm_head, tower, codec) and turned into bytes for each way of
-loading. Offloaded configurations use accelerate's own `infer_auto_device_map` on the meta model with the
-`max_memory` shown, then the codec is pinned to the main device as `from_pretrained` does. Sizes are in GB
+loading. Offloaded configurations use accelerate's own `infer_auto_device_map` on the meta model without its codec
+and with the `max_memory` shown, then add the codec to the input embedding's device, as `from_pretrained` does. Sizes are in GB
 (10^9 bytes), the unit of `max_memory="20GB"`.
 
     python benchmarks/model_size.py            # prints the tables of docs/hardware.md
@@ -23,7 +23,6 @@ from accelerate.utils import compute_module_sizes
 from torch import nn
 
 from transformers_drama3 import FishOmniConfig, FishOmniForSpeech
-from transformers_drama3.device_placement import pin_codec_to_main_device
 
 GB = 1e9
 FP8_BLOCK = 128 * 128  # one float32 weight_scale_inv per 128 x 128 block
@@ -84,15 +83,16 @@ def request_state_bytes(config: FishOmniConfig, rows: int) -> float:
     return rows * (full * kv_row + tower_layers * tower_row) + linear * (conv_channels * text.linear_conv_kernel_dim * 2 + recurrent)
 
 
-def offload_split(model: FishOmniForSpeech, max_memory: dict) -> dict:
-    """GB per device ("cpu", "disk", GPU index) of a bf16 load with `device_map="auto"` and `max_memory`."""
+def offload_split(model: FishOmniForSpeech, codec_bytes: float, max_memory: dict) -> dict:
+    """GB per device ("cpu", "disk", GPU index) of a bf16 load with `device_map="auto"` and `max_memory`: transformers
+    maps the model without its codec (`model`), and the codec (`codec_bytes`, float32) joins the input embedding."""
     device_map = infer_auto_device_map(model, max_memory=dict(max_memory), no_split_module_classes=model._no_split_modules)
-    pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
     sizes = compute_module_sizes(model)
     totals = Counter()
     for name, device in device_map.items():
-        size = sizes[name] * (2 if name == "codec" else 1)  # the codec is float32, the meta model bf16
-        totals[device] += size
+        totals[device] += sizes[name]
+    embedding = next(device for name, device in device_map.items() if "backbone.embed_tokens".startswith(name))
+    totals[embedding] += codec_bytes
     return {device: round(size / GB, 1) for device, size in totals.items()}
 
 
@@ -126,8 +126,10 @@ def main() -> None:
     state = {rows: round(request_state_bytes(config, rows) / GB, 3) for rows in (1024, 8192)}
     print(f"\nrequest caches (bf16): {state} GB for 1024 / 8192 rows\n")
 
-    model.to(torch.bfloat16)
-    splits = {case: offload_split(model, memory) for case, memory in OFFLOAD_CASES.items()}
+    with torch.device("meta"):
+        without_codec = FishOmniForSpeech(config, with_codec=False).to(torch.bfloat16)
+    codec_bytes = groups["codec"] * CODEC_BYTES_PER_PARAM
+    splits = {case: offload_split(without_codec, codec_bytes, memory) for case, memory in OFFLOAD_CASES.items()}
     print("| bf16, device_map='auto' | max_memory | GB per device |\n| --- | --- | --- |")
     for case, memory in OFFLOAD_CASES.items():
         print(f"| {case} | {memory} | {splits[case]} |")

@@ -99,6 +99,7 @@ def main() -> None:
         weight_decay=0.0,
         max_grad_norm=1.0,
         bf16=gpu,
+        dataloader_pin_memory=gpu,
         logging_steps=1 if tiny else 10,
         eval_strategy="epoch",
         prediction_loss_only=True,  # the held-out loss; the logits are not kept

@@ -1,25 +1,24 @@
 """Make a reusable voice file from a reference recording, then use it in a prompt.
 
-    python examples/voice_file.py [--checkpoint DIR] [--audio me.wav --transcript "What I say in me.wav."]
+    python examples/voice_file.py [--model fishaudio/drama-3] [--audio me.wav --transcript "What I say in me.wav."]
 
-Without `--audio` it uses a generated 3-second tone, and the default checkpoint is the tiny golden one
-(`tests/fixtures/tiny`), so the script runs anywhere. With the real model, use `model.codec` instead of loading
-the codec on its own.
+Without `--audio` it uses a generated 3-second tone; without `--model` the embedded tiny random checkpoint, so the
+script runs anywhere. Only the codec is loaded (a voice needs nothing else); with a whole model at hand, use
+`model.codec`.
 """
 
-import argparse
 import tempfile
 from pathlib import Path
 
 import numpy as np
 
 import transformers_drama3  # noqa: F401  (registers the Drama 3 classes)
+from transformers_drama3.checkpoint_location import checkpoint_directory
 from transformers_drama3.configuration_drama3 import FishOmniConfig
 from transformers_drama3.modeling_codec import FishDACCodec
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.voice import Drama3Voice
-
-TINY = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "tiny"
+from example_setup import checkpoint_path, example_parser
 
 
 def load_codec(checkpoint: Path) -> FishDACCodec:
@@ -35,16 +34,16 @@ def tone(seconds: float = 3.0, rate: int = 44100) -> np.ndarray:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, default=TINY)
+    parser = example_parser(__doc__)
     parser.add_argument("--audio", help="reference recording (10-30 s works best, at most 60 s)")
     parser.add_argument("--transcript", default="This is my voice, recorded on a quiet afternoon.")
     parser.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "drama3-demo")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
 
-    processor = Drama3Processor.from_pretrained(args.checkpoint)
-    codec = load_codec(args.checkpoint)
+    checkpoint = Path(checkpoint_directory(checkpoint_path(args.model)))  # a Hub id is downloaded (or cached) once
+    processor = Drama3Processor.from_pretrained(checkpoint)
+    codec = load_codec(checkpoint)
 
     # 1. Encode the reference once and save it.
     audio, rate = (args.audio, None) if args.audio else (tone(), 44100)

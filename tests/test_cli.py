@@ -1,10 +1,13 @@
-"""The `drama3-tts` console script: synthesis as a user runs it (a subprocess), flags and errors (in process)."""
+"""The `drama3-tts` console script: synthesis, start-up and signals as a user meets them (subprocesses), flags,
+checks and errors (in process)."""
 
 import io
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -18,6 +21,8 @@ from .conftest import GOLDEN_TINY
 
 MODEL = ["--model", str(GOLDEN_TINY)]
 FAST = ["--max-new-tokens", "2", "--quiet"]
+CLI = [sys.executable, "-m", "transformers_drama3.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -47,16 +52,21 @@ def _frames(stderr: str) -> int:
     return int(re.search(r"(\d+) frames", stderr).group(1))
 
 
+def _tone(path, seconds=0.25, rate=44100, channels=1):
+    t = np.arange(int(seconds * rate)) / rate
+    samples = (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32)
+    soundfile.write(str(path), np.stack([samples] * channels, axis=1) if channels > 1 else samples, rate)
+    return path
+
+
 # -- as a user runs it ---------------------------------------------------------------------------------------------
 
 
 def test_synthesis_on_the_embedded_checkpoint_writes_a_wav(tmp_path):
-    """The README's main-job command, as a user runs it."""
+    """The README's main-job command, as a user runs it: one clean line per message, no transformers noise."""
     output = tmp_path / "hello.wav"
-    result = subprocess.run(
-        [sys.executable, "-m", "transformers_drama3.cli", "--tiny", "Hello there.", "--output", str(output),
-         "--max-new-tokens", "4", "--seed", "0"], capture_output=True, text=True, timeout=300,
-    )
+    result = subprocess.run([*CLI, "--tiny", "Hello there.", "--output", str(output), "--max-new-tokens", "4",
+                             "--seed", "0"], capture_output=True, text=True, timeout=600, env=ENV)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and f"wrote {output}" in result.stderr
     info = soundfile.info(str(output))
@@ -64,6 +74,51 @@ def test_synthesis_on_the_embedded_checkpoint_writes_a_wav(tmp_path):
     frames = _frames(result.stderr)
     assert 1 <= frames <= 4 and info.frames == frames * 2048
     assert os.listdir(tmp_path) == ["hello.wav"]
+    # transformers' FP8 message said once, in our words; no GPU-kernel fallback notes on a CPU
+    assert result.stderr.count("FP8 routed experts are dequantised to float32") == 1
+    assert "[transformers]" not in result.stderr and "falling back" not in result.stderr
+
+
+def test_help_and_usage_errors_import_neither_torch_nor_transformers():
+    """`--help` and command-line errors answer before any heavy import (docs/performance.md, start-up)."""
+    script = (
+        "import sys\nfrom transformers_drama3 import cli\nfor argv in (['--help'], ['--tiny', 'Hi']):\n"
+        "    try:\n        cli.main(argv)\n    except SystemExit as stop:\n        print('exit', stop.code)\n"
+        "print('heavy:', sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=ENV)
+    assert "exit 0" in result.stdout and "exit 2" in result.stdout and "--output FILE is required" in result.stderr
+    assert "heavy: []" in result.stdout, result.stdout
+
+
+def _wait_for(condition, process, seconds=300):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert process.poll() is None and time.monotonic() < deadline, "the run ended before the condition held"
+        time.sleep(0.05)
+
+
+def test_sigterm_while_streaming_leaves_no_file(tmp_path):
+    """A process manager's SIGTERM unwinds like Ctrl-C: the temporary file goes, the status is 128 + 15."""
+    output = tmp_path / "speech.wav"
+    process = subprocess.Popen([*CLI, *MODEL, "Hello there.", "-o", str(output), "--stream", "--max-new-tokens",
+                                "4000", "--seed", "0", "-q"], stderr=subprocess.PIPE, text=True, env=ENV)
+    _wait_for(lambda: any(name.endswith(".tmp") for name in os.listdir(tmp_path)), process)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM and "stopped by SIGTERM" in stderr, stderr
+    assert "Traceback" not in stderr and os.listdir(tmp_path) == []
+
+
+def test_ctrl_c_while_loading_is_one_line(tmp_path):
+    process = subprocess.Popen([*CLI, *MODEL, "Hello there.", "-o", str(tmp_path / "x.wav")],
+                               stderr=subprocess.PIPE, text=True, env=ENV)
+    first_line = process.stderr.readline()  # "loading ...": the command line is checked, the model is loading
+    assert first_line.startswith("loading"), first_line
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "drama3-tts: interrupted" in stderr and "Traceback" not in stderr, stderr
+    assert os.listdir(tmp_path) == []
 
 
 def test_help(capsys):
@@ -81,13 +136,15 @@ def test_a_missing_output_directory_fails_before_loading(tmp_path, capsys):
 # -- text, outputs, streaming -------------------------------------------------------------------------------------
 
 
-def test_streaming_writes_the_same_file_as_a_plain_run(tmp_path, capsys):
-    plain, streamed = tmp_path / "plain.wav", tmp_path / "streamed.wav"
-    common = [*MODEL, "Hello there, how are you?", "--seed", "5", *FAST]
-    assert _main(capsys, *common, "-o", str(plain))[0] == 0
-    assert _main(capsys, *common, "-o", str(streamed), "--stream")[0] == 0
-    assert plain.read_bytes() == streamed.read_bytes()
-    assert sorted(os.listdir(tmp_path)) == ["plain.wav", "streamed.wav"]
+@pytest.mark.parametrize("suffix", [".wav", ".ogg"])
+def test_streamed_and_repeated_runs_write_identical_files(tmp_path, capsys, suffix):
+    """Same seed, same bytes: twice, and with --stream (OGG too: one Ogg serial, the same encoder input blocks)."""
+    common = [*MODEL, "Hello there, how are you?", "--seed", "5", "--max-new-tokens", "9", "--quiet"]
+    files = [tmp_path / f"{name}{suffix}" for name in ("plain", "again", "streamed")]
+    for file, extra in zip(files, ([], [], ["--stream"])):
+        assert _main(capsys, *common, "-o", str(file), *extra)[0] == 0
+    assert files[0].read_bytes() == files[1].read_bytes() == files[2].read_bytes()
+    assert sorted(os.listdir(tmp_path)) == sorted(file.name for file in files)
 
 
 def test_text_from_stdin_and_from_a_file_in_flac(tmp_path, capsys, monkeypatch):
@@ -104,8 +161,7 @@ def test_text_from_stdin_and_from_a_file_in_flac(tmp_path, capsys, monkeypatch):
 
 
 def test_voice_cloning_saves_and_reuses_a_voice(tmp_path, capsys):
-    reference = tmp_path / "me.wav"
-    soundfile.write(str(reference), (0.3 * np.sin(np.arange(11025) / 20)).astype(np.float32), 44100)
+    reference = _tone(tmp_path / "me.wav")
     voice_file, cloned, reused = tmp_path / "me.voice.safetensors", tmp_path / "cloned.wav", tmp_path / "reused.wav"
     common = [*MODEL, "Hello there.", "--greedy", *FAST]
     status, _, err = _main(capsys, *common, "-o", str(cloned), "--reference", str(reference),
@@ -123,6 +179,31 @@ def test_voice_cloning_saves_and_reuses_a_voice(tmp_path, capsys):
                            "--save-voice", str(tmp_path / "only.voice.safetensors"))
     assert status == 0, err
     assert Drama3Voice.load(tmp_path / "only.voice.safetensors").transcript == "Mine."
+
+
+def test_a_stereo_low_rate_reference_is_said_once_before_generating(tmp_path, capsys):
+    reference = _tone(tmp_path / "phone.wav", rate=8000, channels=2)
+    status, _, err = _main(capsys, *MODEL, "Hello there.", "-o", str(tmp_path / "out.wav"), "--greedy",
+                           "--max-new-tokens", "2", "--reference", str(reference), "--reference-text", "Mine.")
+    assert status == 0, err
+    notes = [line for line in err.splitlines() if "2 channels are averaged to mono" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: --reference 1:") and "8000 Hz" in notes[0]
+
+
+def test_finish_reasons_are_summed_up_in_one_note(tmp_path, capsys):
+    text = "Hello there, how are you? The quick brown fox jumps. Did you hear that now?"
+    status, _, err = _main(capsys, *MODEL, text, "-o", str(tmp_path / "out.wav"), "--chunk-bytes", "40",
+                           "--greedy", "--max-new-tokens", "1")
+    assert status == 0, err
+    notes = [line for line in err.splitlines() if "before the end of speech" in line]
+    assert notes == ["note: 3 of 3 chunks (1-3) stopped at the 1-frame limit before the end of speech: "
+                     "raise --max-new-tokens if speech was cut"]
+
+
+def test_ranges():
+    assert cli._ranges([0]) == "1"
+    assert cli._ranges([0, 1, 2, 5, 7, 8]) == "1-3, 6, 8-9"
+    assert cli._ranges([0, 2, 4, 6, 8, 10, 12]) == "1, 3, 5, 7, 9, ..."
 
 
 def test_summary_of_a_checkpoint(capsys):
@@ -146,16 +227,28 @@ def test_summary_of_a_checkpoint(capsys):
         ([*MODEL, "-o", "x.wav", "--reference", "a.wav", "--reference-text", "A.", "--save-voice", "v"], "needs text"),
         ([*MODEL, "Hello.", "--text-file", "t.txt", "-o", "x.wav"], "not both"),
         ([*MODEL, "Hello.", "-o", "x.wav", "--reference", "a.wav"], "every --reference needs its --reference-text"),
-        ([*MODEL, "Hello.", "-o", "x.wav", "--temperature", "0"], "must be > 0"),
-        ([*MODEL, "Hello.", "-o", "x.wav", "--top-p", "1.5"], "must be in (0, 1]"),
-        ([*MODEL, "Hello.", "-o", "x.wav", "--max-new-tokens", "0"], "must be >= 1"),
-        ([*MODEL, "Hello.", "-o", "x.wav", "--top-k", "many"], "not a number"),
+        ([*MODEL, "Hello.", "-o", "x.wav", "--top-k", "many"], "invalid int value"),
         ([*MODEL, "--save-voice", "v.safetensors"], "saves one --reference"),
+        ([*MODEL, "--reference", "a.wav", "--reference-text", "A.", "--save-voice", "a.wav"], "name it *.safetensors"),
+        ([*MODEL, "Hello.", "-o", "x.wav", "--greedy", "--temperature", "0.5", "--top-k", "3"],
+         "--greedy always takes the most likely token, so --temperature and --top-k would change nothing"),
+        ([*MODEL, "--summary", "Hello.", "-o", "x.wav"], "leave out TEXT, --output"),
+        ([*MODEL, "Hello.", "-o", "x.wav", "--chunk-bytes", "8"], "--chunk-bytes must be at least 32"),
     ],
 )
 def test_usage_errors_exit_2(capsys, args, message):
     status, out, err = _main(capsys, *args)
     assert status == 2 and message in err and out == ""
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--temperature", "0"), ("--top-p", "1.5"), ("--top-k", "0"), ("--max-new-tokens", "0")],
+)
+def test_sampling_settings_are_checked_by_the_model_rules_before_loading(capsys, flag, value):
+    """One source of truth: `generation_settings` decides, the message names the flag."""
+    status, out, err = _main(capsys, *MODEL, "Hello.", "-o", "x.wav", flag, value)
+    assert status == 2 and f"error: {flag}" in err.replace("`", "") and "loading" not in err and out == ""
 
 
 @pytest.mark.parametrize(
@@ -169,13 +262,43 @@ def test_bad_text_is_the_processors_error(tmp_path, capsys, text, message):
     assert os.listdir(tmp_path) == []
 
 
+def test_bad_references_are_refused_before_loading(tmp_path, capsys):
+    (tmp_path / "text.wav").write_text("not audio")
+    soundfile.write(str(tmp_path / "empty.wav"), np.zeros(0, dtype=np.float32), 44100)
+    soundfile.write(str(tmp_path / "long.wav"), np.zeros(8000 * 61, dtype=np.float32), 8000)
+    good = _tone(tmp_path / "good.wav")
+    cases = [
+        (tmp_path / "missing.wav", "Mine.", "--reference 1: audio file"),
+        (tmp_path / "text.wav", "Mine.", "--reference 1: cannot read audio file"),
+        (tmp_path / "empty.wav", "Mine.", "holds no samples"),
+        (tmp_path / "long.wav", "Mine.", "--reference 1 is 61.0 s long"),
+        (good, "Mine <|im_end|>", "--reference-text 1 contains the control token"),
+    ]
+    for audio, transcript, message in cases:
+        status, _, err = _main(capsys, *MODEL, "Hello.", "-o", str(tmp_path / "out.wav"),
+                               "--reference", str(audio), "--reference-text", transcript)
+        assert status == 1 and message in err and "loading" not in err, (audio, err)
+    assert "out.wav" not in os.listdir(tmp_path)
+
+
+def test_devices_that_cannot_run_are_one_line_errors(capsys):
+    unavailable = "cuda:99" if torch.cuda.is_available() else "cuda"
+    for device, message in (("tpu", "is not a device"), (unavailable, "--device " + unavailable), ("meta", "meta")):
+        status, _, err = _main(capsys, *MODEL, "Hello.", "-o", "x.wav", "--device", device)
+        assert status == 1 and message in err and err.count("\n") == 1 and "loading" not in err, err
+
+
 def test_bad_outputs_and_files_exit_1(tmp_path, capsys, monkeypatch):
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     cases = [
         ([*MODEL, "Hello.", "-o", str(tmp_path / "out.mp3")], "cannot tell the audio format"),
         ([*MODEL, "Hello.", "-o", str(tmp_path)], "it is a directory"),
         ([*MODEL, "Hello.", "-o", str(tmp_path / "out.wav"), "--voice", str(tmp_path / "none.safetensors")], "none"),
         ([*MODEL, "--text-file", str(tmp_path / "none.txt"), "-o", str(tmp_path / "out.wav")], "none.txt"),
-        (["--model", str(tmp_path / "nothing"), "Hello.", "-o", str(tmp_path / "out.wav")], "cannot load"),
+        ([*MODEL, "--text-file", str(tmp_path / "latin1.txt"), "-o", str(tmp_path / "out.wav")],
+         f"--text-file {str(tmp_path / 'latin1.txt')!r} is not UTF-8 text"),
+        (["--model", str(tmp_path / "nothing"), "Hello.", "-o", str(tmp_path / "out.wav")],
+         f"no checkpoint directory {str(tmp_path / 'nothing')!r}"),
     ]
     for args, message in cases:
         status, _, err = _main(capsys, *args)
@@ -190,13 +313,22 @@ def test_bad_outputs_and_files_exit_1(tmp_path, capsys, monkeypatch):
     assert os.listdir(read_only) == []
 
 
+def test_a_hub_id_without_network_is_one_clear_error(tmp_path, capsys, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # HF_HUB_OFFLINE=1, and an empty cache
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    status, _, err = _main(capsys, "--model", "fishaudio/drama-3", "Hello.", "-o", str(tmp_path / "out.wav"))
+    assert status == 1 and "'fishaudio/drama-3' is not a local directory nor in the Hugging Face cache" in err, err
+
+
 def test_a_failure_while_streaming_leaves_no_file(tmp_path, capsys, monkeypatch):
     def failing(model, processor, text, references, streamer, **options):
         streamer.put(torch.zeros(1, 10, dtype=torch.long))  # some audio reaches the file, then generation fails
         streamer.end()
         raise ValueError("generation failed")
 
-    monkeypatch.setattr(cli, "synthesize", failing)
+    monkeypatch.setattr("transformers_drama3.synthesis.synthesize", failing)
     status, _, err = _main(capsys, *MODEL, "Hello.", "-o", str(tmp_path / "out.wav"), "--stream", *FAST)
     assert status == 1 and "generation failed" in err
     assert os.listdir(tmp_path) == []

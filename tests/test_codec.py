@@ -1,4 +1,5 @@
-"""Fish DAC codec (SPEC 8): golden decode/encode, exact streaming, the original `codec.pth` layout, bad inputs."""
+"""Fish DAC codec (docs/format.md#the-codec): golden decode/encode, exact streaming, the original `codec.pth` layout,
+the codec as a transformers model (save/load, Auto classes, initial weights, attention kernels), bad inputs."""
 
 import json
 import math
@@ -11,7 +12,9 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoConfig, AutoModel
 
+import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers_drama3.configuration_drama3 import FishDACConfig
 from transformers_drama3.modeling_codec import (
     CausalConv1d,
@@ -21,6 +24,7 @@ from transformers_drama3.modeling_codec import (
     WindowedAttention,
     apply_rope,
     load_codec_state_dict,
+    load_codec_weights,
     original_codec_key_shapes,
     rope_table,
 )
@@ -108,6 +112,88 @@ def test_folded_state_dict_round_trips(codec, tiny_config, expected):
     reloaded = FishDACCodec(tiny_config)
     reloaded.load_state_dict(codec.state_dict())
     assert torch.equal(reloaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The codec as a transformers model
+# --------------------------------------------------------------------------------------------------------------
+
+
+def test_codec_round_trips_through_save_pretrained_and_automodel(codec, expected, tmp_path):
+    """Exact: the folded weights are written to safetensors and read back as they are, and the same code runs."""
+    codec.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    reloaded, info = AutoModel.from_pretrained(tmp_path, output_loading_info=True)
+    assert type(reloaded) is FishDACCodec
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    settings = [{k: v for k, v in c.config.to_dict().items() if k != "_name_or_path"} for c in (reloaded, codec)]
+    assert settings[0] == settings[1]
+    codes = expected["codec_codes"][None]
+    assert torch.equal(reloaded.decode(codes), codec.decode(codes))
+    audio = expected["codec_input_audio"]
+    assert torch.equal(reloaded.encode(audio, 44100), codec.encode(audio, 44100))
+
+
+def test_codec_is_registered_with_the_auto_classes(tiny_config):
+    assert AutoConfig.for_model("fish_dac").__class__ is FishDACConfig
+    assert type(AutoModel.from_config(tiny_config)) is FishDACCodec
+
+
+def test_from_codec_file_reads_the_folded_layout_too(codec, expected, tmp_path, tiny_config):
+    torch.save(codec.state_dict(), tmp_path / "codec.pth")  # what FishOmniForSpeech.save_pretrained writes
+    reloaded = FishDACCodec.from_codec_file(tmp_path / "codec.pth", tiny_config)
+    assert torch.equal(reloaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+
+
+@pytest.mark.parametrize("layout", ["original", "folded"])
+def test_a_load_writes_every_weight(codec, tiny_config, layout):
+    """`from_codec_state_dict` loads into uninitialised memory: no weight may be left out of a load."""
+    state = load_codec_state_dict(CODEC_PTH) if layout == "original" else codec.state_dict()
+    with torch.device("meta"):
+        target = FishDACCodec(tiny_config)
+    target = target.to_empty(device="cpu")
+    for parameter in target.parameters():
+        parameter.data.fill_(float("nan"))
+    load_codec_weights(target, state)
+    assert all(torch.isfinite(parameter).all() for parameter in target.parameters())
+
+
+def _std_is_about(tensor: torch.Tensor, std: float) -> bool:
+    """Whether the sample std of `tensor` is `std` within 6 standard errors (the standard error of the std of n normal
+    samples is std / sqrt(2 n)): a wrong initialisation (zeros, ones, another scale) is far outside."""
+    return abs(tensor.std().item() - std) < 6 * std / math.sqrt(2 * tensor.numel())
+
+
+def test_a_new_codec_gets_its_initial_weights(tiny_config):
+    torch.manual_seed(0)
+    codec = FishDACCodec(tiny_config)
+    decoder_conv = codec.decoder.blocks[0].upsample
+    assert _std_is_about(decoder_conv.weight, 0.02) and torch.equal(decoder_conv.bias, torch.zeros_like(decoder_conv.bias))
+    assert _std_is_about(codec.quantizer.pre_module.layers[0].attention.wqkv.weight, 0.02)
+    assert torch.equal(codec.decoder.output_snake.alpha, torch.ones_like(codec.decoder.output_snake.alpha))
+    assert _std_is_about(codec.quantizer.codebooks[1].codebook, 1.0) and _std_is_about(codec.quantizer.codebooks[1].table, 1.0)
+    layer = codec.quantizer.pre_module.layers[0]
+    assert all(torch.equal(p, torch.ones_like(p)) for p in (layer.attention_norm.weight, layer.ffn_layer_scale.gamma))
+    assert all(torch.isfinite(p).all() for p in codec.parameters())
+
+
+def test_a_codec_without_weights_in_memory_refuses_to_run(tiny_config):
+    """Offloaded (or never loaded) weights sit on the meta device; the codec's methods run outside offload hooks."""
+    with torch.device("meta"):
+        codec = FishDACCodec(tiny_config)
+    with pytest.raises(ValueError, match="meta device"):
+        codec.decode(torch.zeros(1, 10, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="meta device"):
+        codec.stream().decode(torch.zeros(1, 10, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_the_codec_accepts_an_attention_kernel_and_keeps_its_own_attention(codec, expected, tmp_path, implementation):
+    codec.save_pretrained(tmp_path)
+    reloaded = FishDACCodec.from_pretrained(tmp_path, attn_implementation=implementation)
+    assert reloaded.config._attn_implementation == implementation
+    codes = expected["codec_codes"][None]
+    assert torch.equal(reloaded.decode(codes), codec.decode(codes))  # the same windowed attention either way
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -232,7 +318,7 @@ _LAYER = (r"layers\.\d+\.(attention\.(wqkv|wo)\.weight|feed_forward\.w[123]\.wei
           r"|(attention|ffn)_layer_scale\.gamma)|norm\.weight")
 _VQ = r"quantizers\.\d+\.(codebook\.weight|(in|out)_proj\.(weight_g|weight_v|bias))"
 _CONVNEXT = r"1\.(dwconv\.conv\.(weight|bias)|norm\.(weight|bias)|pwconv[12]\.(weight|bias)|gamma)"
-SPEC_8_5_PATTERNS = [
+ORIGINAL_KEY_PATTERNS = [
     rf"encoder\.block\.0\.{_CONV}",
     rf"encoder\.block\.[1-4]\.{_UNIT}",
     r"encoder\.block\.[1-4]\.block\.3\.alpha",
@@ -255,12 +341,13 @@ SPEC_8_5_PATTERNS = [
 
 
 def test_real_codec_layout_on_meta_device():
-    """The real constants give 535 original tensors (~391.4 M parameters) named as in SPEC 8.5, loadable."""
+    """The real constants give 535 original tensors (~391.4 M parameters) named as in
+    docs/format.md#codec-file-keys, loadable."""
     config = FishDACConfig()
     shapes = original_codec_key_shapes(config)
     assert len(shapes) == 535
     assert sum(math.prod(shape) for shape in shapes.values()) == pytest.approx(391.4e6, abs=0.05e6)
-    unmatched = [key for key in shapes if not any(re.fullmatch(p, key) for p in SPEC_8_5_PATTERNS)]
+    unmatched = [key for key in shapes if not any(re.fullmatch(p, key) for p in ORIGINAL_KEY_PATTERNS)]
     assert unmatched == []
     assert len([k for k in shapes if k.startswith("quantizer.quantizer.quantizers.")]) == 9 * 7
     assert len([k for k in shapes if ".layers." in k and k.startswith("quantizer.pre_module")]) == 8 * 9

@@ -327,7 +327,7 @@ def test_memory_follows_the_frames_made_not_max_new_tokens(tmp_path):
 
 def test_settings_live_on_the_generation_config(model, prompt):
     assert model.generation_config.ras_window == 16 and model.generation_config.codebook_top_k == 30
-    assert model.generation_config.top_k is None and model.generation_config.top_p == 0.9
+    assert model.generation_config.top_k == 0 and model.generation_config.top_p == 0.9
     sequences = model.generate(prompt, do_sample=False, max_new_tokens=2, return_dict_in_generate=False)
     assert sequences.shape == (1, prompt.shape[1] + 2, 11)
 

@@ -1,6 +1,7 @@
 """Loading the original Drama 3 layout: golden checkpoint, FP8 dequantisation, the tiny writer, bad checkpoints."""
 
 import json
+import logging
 import pickle
 import shutil
 
@@ -8,9 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from transformers import AutoModel, AutoTokenizer
+from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 
-from transformers_drama3 import Drama3CheckpointError, FishOmniForSpeech
+from transformers_drama3 import Drama3CheckpointError, FishDACCodec, FishOmniForSpeech
+from transformers_drama3.modeling_codec import FishDACLoadError
 from transformers_drama3.testing import quantize_fp8_blockwise, write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
@@ -41,8 +43,10 @@ def test_golden_loads_with_no_missing_or_unexpected_keys(dtype):
     _assert_complete(info)
     assert model.backbone.norm.weight.dtype == dtype
     assert model.tower.heads[0].weight.dtype == dtype
-    # The codec stays float32 whatever the model dtype (precision-sensitive, small).
+    # The codec stays float32 whatever the model dtype (precision-sensitive, small), a transformers sub-model whose
+    # config is the model's own `codec_config`.
     assert {p.dtype for p in model.codec.parameters()} == {torch.float32}
+    assert isinstance(model.codec, FishDACCodec) and model.codec.config is model.config.codec_config
     # The FP8 quantization was a loading step only: nothing FP8 is left.
     assert all(p.dtype != torch.float8_e4m3fn for p in model.parameters())
 
@@ -52,6 +56,17 @@ def test_automodel_gives_the_drama3_class():
     assert isinstance(model, FishOmniForSpeech)
 
 
+def test_choosing_an_attention_kernel_leaves_the_codec_alone_without_warnings(caplog):
+    """The codec is a sub-model that declares the kernels it accepts (it keeps its own windowed attention), so
+    transformers finds the sub-model of `codec_config` and warns about nothing, at load or when switching."""
+    with caplog.at_level(logging.WARNING):
+        model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, attn_implementation="eager")
+        model.set_attn_implementation("sdpa")
+        model.set_attn_implementation("eager")
+    assert model.config.codec_config._attn_implementation == "eager"
+    assert "codec" not in caplog.text and "FishDAC" not in caplog.text
+
+
 def test_tokenizer_of_the_checkpoint_loads():
     tokenizer = AutoTokenizer.from_pretrained(GOLDEN_TINY)
     assert tokenizer.convert_tokens_to_ids("<|semantic:0|>") == 421
@@ -59,7 +74,7 @@ def test_tokenizer_of_the_checkpoint_loads():
 
 
 def test_dequantised_experts_equal_fp8_times_scale(golden_fp32, expected):
-    """Bit-equal float32: W[i, j] = float(W8[i, j]) * scale_inv[i // 128, j // 128] (SPEC 2.3)."""
+    """Bit-equal float32: W[i, j] = float(W8[i, j]) * scale_inv[i // 128, j // 128] (docs/format.md#fp8-experts)."""
     experts = golden_fp32.backbone.layers[0].mlp.experts
     inter = expected["dequant_l0_e1_gate_proj"].shape[0]
     assert torch.equal(experts.gate_up_proj[1, :inter], expected["dequant_l0_e1_gate_proj"])
@@ -270,6 +285,15 @@ def test_codec_pth_with_a_pickled_object_is_refused(golden_copy, capsys):
         FishOmniForSpeech.from_pretrained(golden_copy)
     assert "pickle payload executed" not in capsys.readouterr().out
     assert "codec.pth" in str(error.value)
+
+
+def test_a_codec_pth_that_does_not_fit_the_config_is_refused_before_the_weights_load(golden_copy, monkeypatch):
+    state = torch.load(golden_copy / "codec.pth", weights_only=True)
+    del state["decoder.model.6.conv.bias"]
+    torch.save(state, golden_copy / "codec.pth")
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(FishDACLoadError, match="decoder.model.6.conv.bias"):
+        FishOmniForSpeech.from_pretrained(golden_copy)
 
 
 def test_codec_pth_that_is_not_a_state_dict_is_refused(golden_copy):

@@ -1,5 +1,5 @@
 """accelerate device maps on a CPU-only machine: disk and cpu+disk offload give the in-memory outputs bit for bit;
-the codec is never offloaded; bad maps fail with transformers'/accelerate's own errors.
+the codec is never offloaded (a `"codec"` entry places it, or it joins the input device); bad maps fail clearly.
 
 Tolerance: exact equality. Offloading only moves the same weights between RAM, disk and meta tensors; every
 computation runs on the CPU with the same kernels in the same order, so any difference would be a placement bug.
@@ -10,9 +10,11 @@ import logging
 import pytest
 import torch
 from torch import nn
+from transformers import PreTrainedModel
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.device_placement import execution_device, main_device, pin_codec_to_main_device
+from transformers_drama3.codec_file import take_codec_placement
+from transformers_drama3.device_placement import execution_device
 
 from .conftest import GOLDEN_TINY
 
@@ -59,8 +61,8 @@ def in_memory(prompt):
 def test_offloaded_model_gives_the_in_memory_outputs(placement, generate, prompt, in_memory, tmp_path):
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, offload_folder=tmp_path, **placement)
     assert "disk" in model.hf_device_map.values()
-    assert model.hf_device_map["codec"] == "cpu"
-    assert not any(p.is_meta for p in model.codec.parameters())
+    assert "codec" not in model.hf_device_map  # transformers placed the model without its codec
+    assert {p.device for p in model.codec.parameters()} == {torch.device("cpu")}  # the input device, not offloaded
 
     forward, audio, generated = _outputs(model, prompt, generate)
     reference_forward, reference_audio, reference_generated = in_memory
@@ -73,13 +75,24 @@ def test_offloaded_model_gives_the_in_memory_outputs(placement, generate, prompt
         assert all(torch.equal(a, b) for a, b in zip(generated.audio, reference_generated.audio))
 
 
-def test_a_codec_entry_in_the_device_map_is_overridden_with_a_warning(tmp_path, caplog):
-    device_map = {"backbone": "cpu", "lm_head": "cpu", "tower": "disk", "codec": "disk"}
-    with caplog.at_level(logging.WARNING):
-        model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, device_map=device_map, offload_folder=tmp_path)
-    assert model.hf_device_map["codec"] == "cpu"
-    assert device_map["codec"] == "disk"  # the caller's dict is not modified
-    assert "codec stays whole on the main device" in caplog.text
+def test_a_codec_entry_in_the_device_map_places_the_codec(tmp_path):
+    device_map = {"backbone": "cpu", "lm_head": "cpu", "tower": "disk", "codec": "cpu"}
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, device_map=device_map, offload_folder=tmp_path)
+    assert {p.device for p in model.codec.parameters()} == {torch.device("cpu")}
+    assert device_map["codec"] == "cpu"  # the caller's dict is not modified
+    assert model.hf_device_map == {"backbone": "cpu", "lm_head": "cpu", "tower": "disk"}
+
+
+@pytest.mark.parametrize(
+    "device_map",
+    [{"backbone": "cpu", "lm_head": "cpu", "tower": "cpu", "codec": "disk"},
+     {"backbone": "cpu", "lm_head": "cpu", "tower": "cpu", "codec.encoder": "cpu", "codec.decoder": "disk"}],
+    ids=["codec-on-disk", "codec-split"],
+)
+def test_offloading_or_splitting_the_codec_is_refused_before_loading(device_map, tmp_path, monkeypatch):
+    monkeypatch.setattr(PreTrainedModel, "from_pretrained", lambda *a, **k: pytest.fail("the weights were loaded"))
+    with pytest.raises(ValueError, match="codec stays whole on one device"):
+        FishOmniForSpeech.from_pretrained(GOLDEN_TINY, device_map=device_map, offload_folder=tmp_path)
 
 
 def test_unknown_module_name_gives_accelerates_error(tmp_path):
@@ -99,15 +112,15 @@ def test_too_small_max_memory_without_offload_folder_gives_transformers_error():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def test_main_device_is_the_first_accelerator_else_cpu():
-    assert main_device({"a": "disk", "b": 1, "c": 0}) == 1
-    assert main_device({"a": "cpu", "b": "disk"}) == "cpu"
-
-
-def test_pin_splits_a_whole_model_entry_and_replaces_codec_entries():
-    device_map = {"": "disk", "codec.decoder": "disk", "tower": 0}
-    pin_codec_to_main_device(device_map, ["backbone", "lm_head", "tower", "codec"])
-    assert device_map == {"tower": 0, "backbone": "disk", "lm_head": "disk", "codec": 0}
+def test_take_codec_placement():
+    device_map = {"": "disk", "codec": "cpu"}
+    assert take_codec_placement(device_map) == ({"": "disk"}, torch.device("cpu"))
+    assert device_map == {"": "disk", "codec": "cpu"}
+    assert take_codec_placement({"codec.encoder": "cpu", "codec.decoder": "cpu", "tower": "disk"}) == (
+        {"tower": "disk"}, torch.device("cpu"))
+    assert take_codec_placement({"codec_extra": "disk"}) == ({"codec_extra": "disk"}, None)  # not the codec
+    assert take_codec_placement("auto") == ("auto", None)
+    assert take_codec_placement(None) == (None, None)
 
 
 def test_execution_device_reads_the_hook_not_the_meta_parameters(tmp_path):

@@ -1,13 +1,17 @@
 """`pipeline("text-to-speech")` on a tiny checkpoint: Auto classes, the processor's prompt, generate_kwargs, voices."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from transformers import pipeline
+from transformers.pipelines.base import pad_collate_fn
 
 import transformers_drama3  # noqa: F401  (registers the Drama 3 classes)
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.processing_drama3 import left_pad_rows
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
@@ -96,3 +100,25 @@ def test_bad_settings_are_errors(tts):
         tts("Hello there.", generate_kwargs={"top_p": 1.5, "max_new_tokens": 1})
     with pytest.raises(ValueError, match="empty"):
         tts("  ")
+
+
+def test_a_bad_reference_fails_in_preprocessing_before_generate(tts, monkeypatch, tmp_path):
+    calls = _spy(tts, monkeypatch)
+    good = Drama3Voice(codes=torch.zeros(10, 2, dtype=torch.long), transcript="Mine.")
+    missing = {"transcript": "Mine.", "audio": str(tmp_path / "missing.wav")}
+    with pytest.raises(FileNotFoundError, match=r"references\[0\]\[1\]: audio file .* does not exist"):
+        tts("Hello there.", preprocess_params={"references": [[good, missing]], "codec": tts.model.codec})
+    assert calls == []
+
+
+def test_rows_padded_by_the_pipeline_collator_become_the_processors_batch(tts):
+    """transformers' batching collator pads frame rows on the tokenizer's side with its pad id in all 11 columns;
+    `left_pad_rows` turns that into the processor's left-padded batch (what `generate` reads)."""
+    texts = ["Hello there.", "Hi.", "<|speaker:1|> Good morning, everyone."]
+    tokenizer = copy.deepcopy(tts.tokenizer)
+    tokenizer.pad_token = tokenizer.eos_token  # the checkpoint's tokenizer has no pad token; batching needs one
+    collated = pad_collate_fn(tokenizer, None)([dict(tts.preprocess(text)) for text in texts])
+    assert tokenizer.padding_side == "right" and bool((collated["input_ids"][1, -1] == tokenizer.pad_token_id).all())
+    input_ids, attention_mask = left_pad_rows(collated["input_ids"], collated["attention_mask"])
+    expected = tts.processor(texts)
+    assert torch.equal(input_ids, expected["input_ids"]) and torch.equal(attention_mask, expected["attention_mask"])

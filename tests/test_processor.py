@@ -9,11 +9,12 @@ import soundfile
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+from transformers import AutoProcessor, AutoTokenizer
 
 from transformers_drama3 import FishOmniConfig
 from transformers_drama3.chunking import split_text
-from transformers_drama3.processing_drama3 import Drama3Processor
+from transformers_drama3.audio_io import AudioFileWriter, ogg_crc, write_atomically
+from transformers_drama3.processing_drama3 import Drama3Processor, left_pad_rows
 from transformers_drama3.speaker_tags import SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from transformers_drama3.voice import Drama3Voice
 
@@ -104,15 +105,12 @@ def test_token_ids_come_from_the_tokenizer(processor, cases):
 
 
 def test_save_pretrained_and_auto_processor_round_trip(processor, tmp_path, cases, expected):
-    # `import transformers_drama3` registers these; repeated here (idempotently) in case it does not yet.
-    AutoConfig.register("fish_omni", FishOmniConfig, exist_ok=True)
-    AutoProcessor.register(FishOmniConfig, Drama3Processor, exist_ok=True)
-    changed = Drama3Processor(processor.tokenizer, max_reference_seconds=30.0)
+    changed = Drama3Processor(processor.tokenizer, max_reference_seconds=30.0, max_prompt_rows=4096)
     changed.save_pretrained(tmp_path)
     assert (tmp_path / "processor_config.json").is_file()
-    loaded = AutoProcessor.from_pretrained(tmp_path)
+    loaded = AutoProcessor.from_pretrained(tmp_path)  # registered by `import transformers_drama3`
     assert isinstance(loaded, Drama3Processor)
-    assert loaded.max_reference_seconds == 30.0 and loaded.num_codebooks == 10
+    assert (loaded.max_reference_seconds, loaded.max_prompt_rows, loaded.num_codebooks) == (30.0, 4096, 10)
     case = cases["prompts"]["d"]
     rows = loaded(case["text"], references=_references(case, expected))["input_ids"][0]
     assert torch.equal(rows, expected["prompt_d_rows"])
@@ -123,6 +121,7 @@ def test_loads_from_golden_directory_without_processor_config():
     assert not (GOLDEN_TINY / "processor_config.json").exists()
     loaded = Drama3Processor.from_pretrained(GOLDEN_TINY)
     assert (loaded.num_codebooks, loaded.sampling_rate, loaded.max_reference_seconds) == (10, 44100, 60.0)
+    assert loaded.max_prompt_rows == 8192
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -348,6 +347,47 @@ def test_bad_reference_audio(processor, reference, message):
         processor("Hi", references=[{"transcript": "x", **reference}], codec=StandInCodec())
 
 
+def test_every_reference_is_checked_before_any_is_encoded(processor, tmp_path):
+    codec = StandInCodec()
+    good = {"transcript": "Fine.", "audio": np.zeros(4000, dtype=np.float32), "sampling_rate": 16000}
+    (tmp_path / "notes.wav").write_text("not audio")
+    soundfile.write(tmp_path / "silence.wav", np.zeros(0, dtype=np.float32), 44100)
+    for bad, message in ((str(tmp_path / "notes.wav"), "cannot read audio file"),
+                         (str(tmp_path / "silence.wav"), "holds no samples")):
+        with pytest.raises(ValueError, match=rf"references\[1\]: .*{message}"):
+            processor("Hi", references=[good, {"transcript": "Bad.", "audio": bad}], codec=codec)
+        with pytest.raises(ValueError, match=message):  # the same check alone, without a codec
+            processor.check_reference({"transcript": "Bad.", "audio": bad})
+    with pytest.raises(ValueError, match=r"references\[1\].transcript contains the control token"):
+        processor("Hi", references=[good, {"transcript": "<|im_end|>", "codes": _codes(2)}], codec=codec)
+    assert codec.encode_calls == []
+    processor.check_reference(good)  # a good reference passes without a codec
+
+
+def test_converted_references_are_said_once(processor, tmp_path, caplog):
+    codec = StandInCodec()
+    stereo = tmp_path / "phone.wav"
+    soundfile.write(stereo, np.zeros((4000, 2), dtype=np.float32), 8000)
+    with caplog.at_level("WARNING", logger="transformers_drama3"):
+        processor("Hi", references=[{"transcript": "Mine.", "audio": str(stereo)}], codec=codec)
+        processor("Hi", references=[{"transcript": "Mine.", "audio": np.zeros(44100, dtype=np.float32),
+                                     "sampling_rate": 48000}], codec=codec)  # mono, 48 kHz: nothing to say
+    assert [record.getMessage() for record in caplog.records] == [
+        "references[0]: its 2 channels are averaged to mono; its 8000 Hz are resampled to 44100 Hz, which cannot "
+        "restore the high frequencies it lacks (the cloned voice may sound muffled: use a recording of 44.1 kHz or "
+        "more if you have one)."
+    ]
+
+
+def test_a_prompt_over_max_prompt_rows_is_refused(processor):
+    plain = processor.build_prompt_rows("Hi").shape[0]
+    small = Drama3Processor(processor.tokenizer, max_prompt_rows=plain)
+    rows = processor.build_prompt_rows("Hi", references=[{"transcript": "Mine.", "codes": _codes(8)}]).shape[0]
+    small.build_prompt_rows("Hi")  # exactly at the limit: accepted
+    with pytest.raises(ValueError, match=rf"the prompt of text\[1\] has {rows} rows; Drama 3 reads at most {plain}"):
+        small(["Hi", "Hi"], references=[None, [{"transcript": "Mine.", "codes": _codes(8)}]])
+
+
 def test_bad_history_turn(processor):
     with pytest.raises(TypeError, match="history\\[0\\]"):
         processor("Hi", history=["just text"])
@@ -396,6 +436,13 @@ def test_voice_file_round_trip(processor, tmp_path):
     as_dict = processor("Hi", references=[{"transcript": voice.transcript, "codes": voice.codes}])
     assert torch.equal(processor("Hi", references=[loaded])["input_ids"], as_dict["input_ids"])
     assert torch.equal(processor("Hi", references=loaded)["input_ids"], as_dict["input_ids"])
+
+
+def test_a_voice_prints_briefly():
+    transcript = "A long transcript. " * 10
+    voice = Drama3Voice(codes=_codes(700), transcript=transcript, name="me")
+    assert repr(voice) == f"Drama3Voice(name='me', transcript={transcript[:57] + '...'!r}, codes=[10, 700 frames])"
+    assert repr(Drama3Voice(codes=_codes(2), transcript="Hi.")) == "Drama3Voice(transcript='Hi.', codes=[10, 2 frames])"
 
 
 def test_voice_load_rejects_other_files(tmp_path):
@@ -625,17 +672,65 @@ def test_save_audio_is_atomic(processor, tmp_path, monkeypatch):
     target = tmp_path / "speech.wav"
     target.write_bytes(b"previous complete file")
 
-    def failing_write(file, *args, **kwargs):
-        file.write(b"RIFF half a header")
+    def failing_write(sound, samples):  # the header is already in the file when the samples fail
         raise OSError("disk full")
 
-    monkeypatch.setattr(soundfile, "write", failing_write)
+    monkeypatch.setattr(soundfile.SoundFile, "write", failing_write)
     with pytest.raises(OSError, match="disk full"):
         processor.save_audio(np.zeros(100), target)
     with pytest.raises(OSError, match="disk full"):
         processor.save_audio(np.zeros(100), tmp_path / "new.wav")
     assert target.read_bytes() == b"previous complete file"
     assert sorted(os.listdir(tmp_path)) == ["speech.wav"]
+
+
+def test_save_audio_refuses_a_list_of_waveforms(processor, tmp_path):
+    for audio in ([torch.zeros(2048), torch.zeros(4096)], [np.zeros(100), np.zeros(100)]):
+        with pytest.raises(ValueError, match=r"one waveform .* got a list of 2 arrays .*out\.audio\[0\]"):
+            processor.save_audio(audio, tmp_path / "out.wav")
+    assert os.listdir(tmp_path) == []
+    processor.save_audio([0.0, 0.5, -0.5], tmp_path / "numbers.wav")  # a plain list of samples is one waveform
+
+
+@pytest.mark.parametrize("suffix", [".wav", ".flac", ".ogg"])
+def test_audio_files_depend_on_the_samples_only(processor, tmp_path, suffix):
+    """The same samples give the same bytes: written twice, or in pieces as a stream writes them."""
+    t = torch.arange(2048 * 9 + 100) / 44100
+    audio = (0.3 * torch.sin(2 * torch.pi * 220 * t) * torch.sin(2 * torch.pi * 3 * t)).numpy()
+    once = processor.save_audio(audio, tmp_path / f"once{suffix}").read_bytes()
+    assert processor.save_audio(audio, tmp_path / f"twice{suffix}").read_bytes() == once
+
+    def write_in_pieces(file):
+        with AudioFileWriter(file, f"x{suffix}", 44100) as writer:
+            for piece in np.split(audio, [2048, 2048 * 8, 2048 * 8 + 1]):  # a frame, 7 frames, a sample, the rest
+                writer.write(piece)
+
+    assert write_atomically(tmp_path / f"streamed{suffix}", write_in_pieces).read_bytes() == once
+
+
+def test_ogg_crc_matches_libsndfile(tmp_path):
+    """The page checksum recomputed after the serial is set equals libsndfile's own on every page it wrote."""
+    path = tmp_path / "plain.ogg"
+    soundfile.write(path, np.sin(np.arange(44100) / 9).astype(np.float32), 44100, format="OGG", subtype="VORBIS")
+    data, position, pages = bytearray(path.read_bytes()), 0, 0
+    while position < len(data):
+        segments = data[position + 26]
+        end = position + 27 + segments + sum(data[position + 27 : position + 27 + segments])
+        stored = int.from_bytes(data[position + 22 : position + 26], "little")
+        data[position + 22 : position + 26] = bytes(4)
+        assert ogg_crc(bytes(data[position:end])) == stored
+        position, pages = end, pages + 1
+    assert pages >= 3  # identification, comment and setup headers, then audio
+
+
+def test_left_pad_rows():
+    rows = torch.arange(1, 4 * 3 * WIDTH + 1).reshape(4, 3, WIDTH)  # [B, T, 11], no zero anywhere
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [0, 1, 1], [0, 1, 0]])  # full, right-, left-, both-padded
+    padded, new_mask = left_pad_rows(rows, mask)
+    assert new_mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 1, 1], [0, 0, 1]] and new_mask.dtype == mask.dtype
+    assert torch.equal(padded[0], rows[0]) and torch.equal(padded[2], rows[2] * mask[2, :, None])
+    assert torch.equal(padded[1, 2], rows[1, 0]) and torch.equal(padded[3, 2], rows[3, 1])
+    assert int(padded[1, :2].abs().sum()) == int(padded[3, :2].abs().sum()) == 0
 
 
 # ------------------------------------------------------------------------------------------------------------

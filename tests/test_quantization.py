@@ -69,7 +69,7 @@ def _dequantised_4bit(parameter, shape) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, reference, expected):
     model = _load(config)
     assert model.config.quantization_config.quant_method == "bitsandbytes"
-    assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head", "tower", "codec"]
+    assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head", "tower"]
     eight_bit = config.load_in_8bit
     quantized_class = bnb.nn.Linear8bitLt if eight_bit else bnb.nn.Linear4bit
 
@@ -98,7 +98,7 @@ def test_a_user_skip_list_replaces_the_default_but_the_codec_stays_plain():
     assert isinstance(model.tower.heads[0], bnb.nn.Linear8bitLt)
     assert isinstance(model.lm_head, torch.nn.Linear) and not isinstance(model.lm_head, bnb.nn.Linear8bitLt)
     assert not any(isinstance(module, bnb.nn.Linear8bitLt) for module in model.codec.modules())
-    assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head", "codec"]
+    assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head"]  # the codec needs no entry
 
 
 def test_prepare_quantization_leaves_the_callers_objects_alone(reference):

@@ -11,8 +11,7 @@ import torch
 from safetensors import safe_open
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.modeling_codec import FishDACLoadError, load_codec_state_dict
-from transformers_drama3.modeling_drama3 import cast_dequantised_checkpoint, load_codec_weights
+from transformers_drama3.modeling_codec import FishDACLoadError, load_codec_state_dict, load_codec_weights
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
@@ -61,7 +60,8 @@ def test_round_trip_gives_identical_outputs(source, dtype, plain_checkpoint, pro
     codec_state = load_codec_state_dict(tmp_path / "codec.pth")
     assert codec_state.keys() == model.codec.state_dict().keys()  # the folded codec
 
-    reloaded, info = FishOmniForSpeech.from_pretrained(tmp_path, output_loading_info=True)
+    # the saved dtype, asked for: without a GPU a load without `dtype` is float32 (docs/usage.md#loading)
+    reloaded, info = FishOmniForSpeech.from_pretrained(tmp_path, dtype=dtype, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert reloaded.lm_head.weight.dtype == dtype and next(reloaded.codec.parameters()).dtype == torch.float32
     _assert_same_outputs(model, reloaded, prompt)
@@ -93,7 +93,7 @@ def test_fp8_parameters_are_not_saved(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# codec.pth in either layout; dtypes after loading
+# codec.pth in either layout
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -111,12 +111,3 @@ def test_codec_weights_load_from_either_layout():
     del folded["decoder.output_conv.weight"]
     with pytest.raises(FishDACLoadError, match="decoder.output_conv.weight"):
         load_codec_weights(model.codec, folded)
-
-
-def test_dequantised_weights_get_the_requested_dtype():
-    """transformers 5.17 leaves renamed weights of an FP8 checkpoint in bf16 in a float32 load; this repairs it."""
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
-    model.backbone.to(torch.bfloat16)
-    model.tower.heads[0].to(torch.bfloat16)
-    cast_dequantised_checkpoint(model, torch.float32)
-    assert {p.dtype for p in model.parameters()} == {torch.float32}

@@ -166,3 +166,25 @@ def test_reference_errors_surface_from_the_processor(model, processor, tmp_path)
         synthesize(model, processor, "Hi.", missing, show_progress=False)
     with pytest.raises(ValueError, match="no 'transcript'"):
         synthesize(model, processor, "Hi.", {"codes": torch.zeros(10, 2, dtype=torch.long)}, show_progress=False)
+
+
+def test_every_reference_is_checked_before_any_is_encoded(model, processor, prompts, tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model.codec, "encode", lambda *args, **kwargs: calls.append(1))
+    good = {"transcript": "Fine.", "audio": str(_tone(tmp_path / "good.wav"))}
+    too_long = {"transcript": "Long.", "audio": np.zeros(44100 * 61, dtype=np.float32), "sampling_rate": 44100}
+    with pytest.raises(ValueError, match=r"references\[1\] is 61.0 s long"):
+        synthesize(model, processor, "Hi.", [good, too_long], show_progress=False)
+    assert calls == [] and prompts == []
+
+
+def test_progress_is_one_bar_over_the_chunks_of_long_text(model, processor, monkeypatch):
+    shown = []
+    generate = model.generate
+    monkeypatch.setattr(model, "generate", lambda *args, show_progress, **kwargs: shown.append(show_progress)
+                        or generate(*args, show_progress=False, **kwargs))
+    greedy = dict(chunk_bytes=40, do_sample=False, max_new_tokens=1)
+    synthesize(model, processor, " ".join(SENTENCES[:2]), **greedy)
+    synthesize(model, processor, SENTENCES[0], **greedy)
+    synthesize(model, processor, SENTENCES[0], show_progress=False, **greedy)
+    assert shown == [False, False, True, False]  # frame bars only for text of one chunk

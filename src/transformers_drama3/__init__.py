@@ -1,63 +1,58 @@
 """Fish Audio Drama 3 for Hugging Face transformers.
 
-Importing this package registers the Drama 3 classes with transformers (idempotently: importing twice, or
-reloading, does not fail): the config with `AutoConfig`, the model with `AutoModel` and
-`AutoModelForTextToWaveform`, the `bsgemm-moe` FP8 quantization method, and the original checkpoint names.
+`import transformers_drama3` is what makes transformers know Drama 3: after it, `AutoConfig`, `AutoModel`,
+`AutoModelForTextToWaveform`, `AutoProcessor` and `pipeline("text-to-speech")` load Drama 3 checkpoints, with the
+`bsgemm-moe` FP8 quantization method and the original checkpoint names (`registration.py`). Without it transformers
+says it does not know the model type `fish_omni`, and `AutoProcessor` quietly returns a bare tokenizer.
+
+The import itself is light (no torch, no transformers): the public names below load their modules on first use, and
+the registration runs when transformers' Auto classes are imported. Importing twice, or reloading, does not fail.
 """
 
-from transformers import AutoConfig, AutoModel, AutoModelForTextToWaveform, AutoProcessor
+from importlib import import_module
 
-from .checkpoint_mapping import Drama3CheckpointError, register_checkpoint_mapping
-from .configuration_drama3 import Drama3ConfigError, Drama3TowerConfig, FishDACConfig, FishOmniConfig
-from .device_placement import execution_device
-from .chunking import split_text
-from .generation_drama3 import Drama3GenerateOutput
-from .modeling_codec import FishDACCodec, FishDACDecoder, FishDACEncoder
-from .modeling_drama3 import Drama3SpeechOutput, FishOmniForSpeech, FishOmniPreTrainedModel
-from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
-from .parallel import Drama3ParallelError
-from .processing_drama3 import Drama3Processor
-from .streaming import Drama3AudioStreamer
-from .quantization_bsgemm import BsgemmMoeConfig, register_bsgemm_moe
-from .synthesis import Drama3Speech, synthesize
-from .voice import Drama3Voice
+from .registration import arm
+
+# Public name -> the module that defines it (imported on first use).
+_PUBLIC = {
+    "BsgemmMoeConfig": "quantization_bsgemm",
+    "Drama3AudioStreamer": "streaming",
+    "Drama3CheckpointError": "checkpoint_mapping",
+    "Drama3CodebookTower": "modeling_tower",
+    "Drama3ConfigError": "configuration_drama3",
+    "Drama3GenerateOutput": "generation_drama3",
+    "Drama3ParallelError": "parallel",
+    "Drama3Processor": "processing_drama3",
+    "Drama3Speech": "synthesis",
+    "Drama3SpeechOutput": "modeling_drama3",
+    "Drama3TowerCache": "modeling_tower",
+    "Drama3TowerConfig": "configuration_drama3",
+    "Drama3Voice": "voice",
+    "FishDACCodec": "modeling_codec",
+    "FishDACConfig": "configuration_drama3",
+    "FishDACDecoder": "modeling_codec",
+    "FishDACEncoder": "modeling_codec",
+    "FishOmniConfig": "configuration_drama3",
+    "FishOmniForSpeech": "modeling_drama3",
+    "FishOmniPreTrainedModel": "modeling_drama3",
+    "execution_device": "device_placement",
+    "split_text": "chunking",
+    "synthesize": "synthesis",
+}
+
+__all__ = sorted(_PUBLIC)
 
 
-def _register() -> None:
-    register_bsgemm_moe()
-    register_checkpoint_mapping()
-    AutoConfig.register(FishOmniConfig.model_type, FishOmniConfig, exist_ok=True)
-    AutoConfig.register(Drama3TowerConfig.model_type, Drama3TowerConfig, exist_ok=True)
-    AutoConfig.register(FishDACConfig.model_type, FishDACConfig, exist_ok=True)
-    AutoModel.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
-    AutoModelForTextToWaveform.register(FishOmniConfig, FishOmniForSpeech, exist_ok=True)
-    AutoProcessor.register(FishOmniConfig, Drama3Processor, exist_ok=True)
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_PUBLIC[name]}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
 
 
-_register()
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_PUBLIC))
 
-__all__ = [
-    "BsgemmMoeConfig",
-    "Drama3AudioStreamer",
-    "Drama3CheckpointError",
-    "Drama3CodebookTower",
-    "Drama3ConfigError",
-    "Drama3GenerateOutput",
-    "Drama3ParallelError",
-    "Drama3Processor",
-    "Drama3Speech",
-    "Drama3SpeechOutput",
-    "Drama3TowerCache",
-    "Drama3TowerConfig",
-    "Drama3Voice",
-    "FishDACCodec",
-    "FishDACConfig",
-    "FishDACDecoder",
-    "FishDACEncoder",
-    "FishOmniConfig",
-    "FishOmniForSpeech",
-    "FishOmniPreTrainedModel",
-    "execution_device",
-    "split_text",
-    "synthesize",
-]
+
+arm()

@@ -2,13 +2,21 @@
 
 soundfile (libsndfile) is imported on first use, so importing the package needs no audio I/O library. Files are
 written atomically (`write_atomically`): a failed or interrupted write never leaves a half-written file behind.
+
+Written files are reproducible: the same samples give the same bytes, whether they are written at once
+(`write_audio`) or chunk by chunk as they are generated (`AudioFileWriter`). Both hand the samples to the encoder in
+blocks of one codec frame (`WRITE_BLOCK`), because the Vorbis encoder's output depends on how the samples arrive,
+and an Ogg file gets a fixed stream serial number (`OGG_SERIAL`) instead of libsndfile's clock-seeded random one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
+import struct
+import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -18,6 +26,8 @@ import torch.nn.functional as F
 
 # Writable audio files: suffix -> (soundfile format, subtype).
 AUDIO_FILE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+WRITE_BLOCK = 2048  # samples handed to the encoder at a time: one Drama 3 codec frame
+OGG_SERIAL = 0x44524133  # b"DRA3" read as a little-endian number: the stream serial of every Ogg file written here
 
 
 def soundfile():
@@ -54,15 +64,20 @@ def check_sampling_rate(sampling_rate: Any, where: str) -> int:
     return int(sampling_rate)
 
 
-def audio_file_info(path: str | os.PathLike, where: str) -> tuple[int, int]:
-    """(samples, sampling rate) of an audio file, read from its header only; clear errors for a missing or
-    unreadable file."""
+def audio_file_header(path: str | os.PathLike, where: str):
+    """soundfile's header info of an audio file (`frames`, `samplerate`, `channels`, ...), read without its samples;
+    clear errors for a missing, unreadable or non-audio file."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"{where}: audio file {str(path)!r} does not exist")
     try:
-        info = soundfile().info(str(path))
+        return soundfile().info(str(path))
     except soundfile().LibsndfileError as error:
         raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
+
+
+def audio_file_info(path: str | os.PathLike, where: str) -> tuple[int, int]:
+    """(samples, sampling rate) of an audio file, read from its header only (`audio_file_header`)."""
+    info = audio_file_header(path, where)
     return info.frames, info.samplerate
 
 
@@ -78,21 +93,114 @@ def write_audio(path: str | os.PathLike, audio: Any, sampling_rate: int) -> Path
     """Write float audio `[samples]` or `[channels, samples]` to `path`, atomically.
 
     The format follows the suffix: `.wav` (16-bit PCM), `.flac` (16-bit), `.ogg` (Vorbis). Samples are clipped to
-    [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
+    [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success. The bytes equal
+    those of an `AudioFileWriter` given the same samples in any chunks.
     """
-    file_format, subtype = audio_file_format(path)
+    audio_file_format(path)
     rate = check_sampling_rate(sampling_rate, "save_audio")
-    if isinstance(audio, torch.Tensor):
-        audio = audio.detach().to(device="cpu", dtype=torch.float32).numpy()
-    samples = np.asarray(audio, dtype=np.float32)
+    samples = _waveform(audio)
     if samples.ndim == 2:
         samples = samples.T  # soundfile wants [samples, channels]
     elif samples.ndim != 1:
         raise ValueError(f"audio must be [samples] or [channels, samples]; got shape {samples.shape}")
     if not np.isfinite(samples).all():
         raise ValueError("audio contains NaN or infinite values")
-    samples = np.clip(samples, -1.0, 1.0)
-    return write_atomically(path, lambda file: soundfile().write(file, samples, rate, format=file_format, subtype=subtype))
+
+    def write(file: BinaryIO) -> None:
+        with AudioFileWriter(file, path, rate, channels=1 if samples.ndim == 1 else samples.shape[1]) as writer:
+            writer.write(samples)
+
+    return write_atomically(path, write)
+
+
+def _waveform(audio: Any) -> np.ndarray:
+    """`audio` (a tensor, an array or a list of numbers) as a float32 array; one waveform, not a list of them."""
+    if isinstance(audio, torch.Tensor):
+        return audio.detach().to(device="cpu", dtype=torch.float32).numpy()
+    if isinstance(audio, (list, tuple)) and any(isinstance(item, (torch.Tensor, np.ndarray)) for item in audio):
+        raise ValueError(
+            f"save_audio takes one waveform [samples] (or [channels, samples]); got a list of {len(audio)} arrays "
+            "(generate returns one waveform per text in `out.audio`): save each to its own file, e.g. "
+            "save_audio(out.audio[0], path)"
+        )
+    try:
+        return np.asarray(audio, dtype=np.float32)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"audio must be a float tensor or array [samples] or [channels, samples]: {error}") from error
+
+
+class AudioFileWriter:
+    """An audio file written in pieces (a context manager): `write(samples)` as they come, `close()` at the end.
+
+    `file` is an open binary file (or a path) and `path` names the format (its suffix, see `audio_file_format`).
+    Samples `[n]` or `[n, channels]` are clipped to [-1, 1] and handed to the encoder in blocks of `WRITE_BLOCK`, and
+    an Ogg file gets the serial `OGG_SERIAL` when closed, so the file's bytes depend on the samples only, not on the
+    sizes of the pieces: a streamed file equals the file `write_audio` makes of the same samples.
+    """
+
+    def __init__(self, file, path: str | os.PathLike, sampling_rate: int, channels: int = 1):
+        file_format, subtype = audio_file_format(path)
+        self.file, self.ogg = file, file_format == "OGG"
+        self.sound = soundfile().SoundFile(file, "w", sampling_rate, channels, subtype, format=file_format)
+        self.pending = np.zeros((0,) if channels == 1 else (0, channels), dtype=np.float32)  # < WRITE_BLOCK samples
+
+    def write(self, samples: np.ndarray) -> None:
+        samples = np.concatenate([self.pending, np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)])
+        whole = len(samples) - len(samples) % WRITE_BLOCK
+        for start in range(0, whole, WRITE_BLOCK):
+            self.sound.write(samples[start : start + WRITE_BLOCK])
+        self.pending = samples[whole:]
+        self.sound.flush()  # a reader of the growing file (a player) gets what was written so far
+
+    def close(self) -> None:
+        try:
+            if len(self.pending):
+                self.sound.write(self.pending)
+        finally:
+            self.sound.close()
+        if self.ogg:
+            set_ogg_serial(self.file, OGG_SERIAL)
+
+    def __enter__(self) -> AudioFileWriter:
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.sound.close()  # the file is thrown away (write_atomically): no serial to fix
+
+
+_BIT_REVERSED_BYTES = bytes(int(f"{value:08b}"[::-1], 2) for value in range(256))
+
+
+def ogg_crc(page: bytes) -> int:
+    """The CRC of an Ogg page (checksum field zeroed): CRC-32 with polynomial 0x04C11DB7, initial value 0, no bit
+    reflection and no final XOR. zlib computes the bit-reflected CRC-32 in C; reversing the bits of every input byte
+    and of the result turns one into the other (Python has no library for the unreflected variant)."""
+    reflected = zlib.crc32(page.translate(_BIT_REVERSED_BYTES), 0xFFFFFFFF) ^ 0xFFFFFFFF  # initial register 0
+    return int(f"{reflected:032b}"[::-1], 2)
+
+
+def set_ogg_serial(file, serial: int) -> None:
+    """Rewrite, in place, the stream serial number of every page of the Ogg file `file` (an open binary file or a
+    path) and the pages' checksums. libsndfile picks a new random serial for every file it writes, so two files of
+    the same audio differ by these bytes alone."""
+    with open(file, "r+b") if isinstance(file, (str, os.PathLike)) else contextlib.nullcontext(file) as stream:
+        stream.seek(0)
+        data = bytearray(stream.read())
+        position = 0
+        while position < len(data):
+            if data[position : position + 4] != b"OggS":
+                raise ValueError(f"not an Ogg page at byte {position}")
+            segments = data[position + 26]
+            end = position + 27 + segments + sum(data[position + 27 : position + 27 + segments])
+            struct.pack_into("<I", data, position + 14, serial)
+            struct.pack_into("<I", data, position + 22, 0)
+            struct.pack_into("<I", data, position + 22, ogg_crc(bytes(data[position:end])))
+            position = end
+        stream.seek(0)
+        stream.write(data)
 
 
 def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> Path:
@@ -108,7 +216,7 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
         raise FileNotFoundError(f"cannot write {str(path)!r}: the directory {str(path.parent)!r} does not exist")
     temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
-        with open(temporary, "xb") as file:
+        with open(temporary, "x+b") as file:  # readable too: a writer may rework what it wrote (set_ogg_serial)
             write(file)
             file.flush()
             os.fsync(file.fileno())
@@ -162,6 +270,7 @@ def resample_audio(audio: torch.Tensor, orig_rate: int, target_rate: int) -> tor
 
 
 __all__ = [
-    "AUDIO_FILE_FORMATS", "audio_file_format", "audio_file_info", "check_sampling_rate", "read_audio_file",
-    "resample_audio", "write_atomically", "write_audio",
+    "AUDIO_FILE_FORMATS", "OGG_SERIAL", "WRITE_BLOCK", "AudioFileWriter", "audio_file_format", "audio_file_header",
+    "audio_file_info", "check_sampling_rate", "ogg_crc", "read_audio_file", "resample_audio", "set_ogg_serial",
+    "write_atomically", "write_audio",
 ]

@@ -1,9 +1,9 @@
 """How the original Drama 3 tensor names map onto `FishOmniForSpeech`, and checking a checkpoint before loading it.
 
-The original checkpoint (SPEC 2.2) loads through transformers' own `from_pretrained`: prefix renamings are registered
-for `model_type "fish_omni"` with transformers' conversion-mapping API, and the nested `Qwen3_5MoeTextModel` brings
-its own mapping that fuses the per-expert tensors. `save_pretrained` reverses the renamings, so saved checkpoints keep
-the original names.
+The original checkpoint (docs/format.md#tensor-names) loads through transformers' own `from_pretrained`: prefix
+renamings are registered for `model_type "fish_omni"` with transformers' conversion-mapping API, and the nested
+`Qwen3_5MoeTextModel` brings its own mapping that fuses the per-expert tensors. `save_pretrained` reverses the
+renamings, so saved checkpoints keep the original names.
 
 `check_checkpoint_tensors` reads only the safetensors headers and fails, before any weight is read, on a missing
 shard, a missing or unknown tensor, a tensor of the wrong shape, or an FP8 tensor without its scale.
@@ -31,8 +31,6 @@ ORIGINAL_PREFIXES = {
     "audio_decoder_mtp.layers.": "tower.residual_layers.",
     "audio_decoder_mtp.heads.": "tower.heads.",
 }
-CODEC_MODULE = "codec"  # FishOmniForSpeech.codec: loaded from codec.pth, never from the safetensors files
-CODEC_PREFIX = CODEC_MODULE + "."
 FP8_BLOCK = 128
 _FUSED_EXPERTS = re.compile(r"^(?P<layer>.+\.mlp\.experts)\.(?P<name>gate_up_proj|down_proj)$")
 _SAFETENSORS_FP8 = {"F8_E4M3"}
@@ -70,12 +68,10 @@ def expected_original_tensors(model: torch.nn.Module, fp8_experts: bool) -> dict
 
     The fused routed experts (`experts.gate_up_proj [E, 2I, D]`, `experts.down_proj [E, D, I]`) are stored one
     tensor per expert (`experts.E.{gate,up,down}_proj.weight`), each with a `weight_scale_inv` when FP8.
-    The codec is not in the safetensors files (it is `codec.pth`).
+    `model` is built without its codec, which is not in the safetensors files (see `codec_file`).
     """
     expected: dict[str, tuple[int, ...]] = {}
     for name, tensor in model.state_dict().items():
-        if name.startswith(CODEC_PREFIX):
-            continue
         match = _FUSED_EXPERTS.match(name)
         if match is None:
             expected[to_original_name(name)] = tuple(tensor.shape)
@@ -103,7 +99,7 @@ def expected_checkpoint_tensors(model: torch.nn.Module, shards: list[str], fp8_e
     """
     if not any(_PLAIN_LAYOUT_MARKER in _tensor_names(path) for path in shards):
         return expected_original_tensors(model, fp8_experts)
-    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items() if not name.startswith(CODEC_PREFIX)}
+    return {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
 
 
 def _tensor_names(path: str) -> set[str]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from .speaker_tags import SPEAKER_TAG, WHITE_SPACE, WHITE_SPACE_CLASS, tag_text
 
+MIN_CHUNK_BYTES = 32  # the smallest `max_bytes`: room for a speaker tag and a few words
 LINE_BREAKS = ("\r\n", "\n", "\r", "\x0b", "\x0c", "\x85", "\u2028", "\u2029")
 _CLOSERS = "\"'”’)»」』"
 _SENTENCE_END = re.compile(
@@ -112,7 +113,7 @@ def _speaker_turns(text: str) -> list[tuple[str, str]]:
 
 
 def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[str]:
-    """Split long text into chunks for generation one after another (SPEC 9).
+    """Split long text into chunks for generation one after another (docs/format.md#long-text).
 
     Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
     speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence
@@ -123,8 +124,8 @@ def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[s
     """
     if not isinstance(text, str):
         raise TypeError(f"text must be a string; got {type(text).__name__}")
-    if not isinstance(max_bytes, int) or max_bytes < 32:
-        raise ValueError(f"max_bytes must be an integer >= 32; got {max_bytes!r}")
+    if not isinstance(max_bytes, int) or max_bytes < MIN_CHUNK_BYTES:
+        raise ValueError(f"max_bytes must be an integer >= {MIN_CHUNK_BYTES}; got {max_bytes!r}")
     if not isinstance(max_speakers, int) or max_speakers < 1:
         raise ValueError(f"max_speakers must be a positive integer; got {max_speakers!r}")
     for line_break in LINE_BREAKS:
@@ -148,4 +149,4 @@ def _fits(pieces: list[str], max_bytes: int, max_speakers: int) -> bool:
     return len(speakers) <= max_speakers and _utf8_length(" ".join(pieces)) <= max_bytes
 
 
-__all__ = ["split_text"]
+__all__ = ["MIN_CHUNK_BYTES", "split_text"]

@@ -5,58 +5,53 @@
     drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.wav --voice me.voice.safetensors
     torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
 
-Everything that can be checked before loading the model (arguments, text, output path, voice files) is checked
-first. Errors print one line on stderr and exit with status 1 (2 for a malformed command line); the output file
-is written atomically, so a failed or interrupted run leaves no partial file.
+Everything about a request is checked before the model loads: the command line, the sampling settings (by
+`generation_settings`, the model's own rules), the device, the text, the output path, the checkpoint's location,
+reference recordings and voice files. An error prints one line on stderr and exits with status 1 (2 for a malformed
+command line, 130 on Ctrl-C, 128 + N when stopped by signal N, e.g. 143 for SIGTERM). The output file is written
+atomically, so a failed, interrupted or stopped run leaves no partial file. Warnings of transformers and Drama 3 are
+said once each, as `note:` lines between the progress bars, not inside them.
 
 Under `torchrun` the model is split over the ranks (`--parallel`, docs/hardware.md): rank 0 alone reads the text
 and voice files, checks the output path, prints and writes; every rank computes the same frames.
+
+Nothing heavy is imported until the command line has been parsed: `--help` and usage errors answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import re
+import signal
 import sys
 import threading
 from pathlib import Path
 
-import numpy as np
-import torch
-from transformers.utils import logging as transformers_logging
-
-from . import parallel
-from .audio_io import audio_file_format, write_atomically
-from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS as DEFAULTS
-from .modeling_drama3 import FishOmniForSpeech
-from .processing_drama3 import Drama3Processor
-from .streaming import Drama3AudioStreamer
-from .synthesis import synthesize
-from .testing import default_tiny_checkpoint
-from .voice import Drama3Voice
+from .chunking import MIN_CHUNK_BYTES
 
 FAILURE, INTERRUPTED = 1, 130
-MIN_CHUNK_BYTES = 32
+VOICE_FILE_SUFFIX = ".safetensors"
+SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # main-token sampling, meaningless with --greedy
+STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # what process managers and closing terminals send
+# transformers' note that a linear-attention kernel package is missing: those kernels exist for GPUs only.
+KERNEL_FALLBACK = re.compile(r"falling back to its reference PyTorch implementation because `([^`]+)` is not installed")
 
 
 class CommandError(Exception):
     """A failure reported as one line on stderr with exit status 1."""
 
 
-def _number(kind, check, rule: str):
-    """An argparse type: `kind(text)` that must satisfy `check`, else a usage error naming `rule`."""
+class Stopped(BaseException):
+    """The process got a stop signal (SIGTERM, SIGHUP): unwind like Ctrl-C, so temporary files are removed.
 
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text} is out of range: {rule}")
-        return value
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
 
-    return parse
+    def __init__(self, signal_number: int):
+        super().__init__(signal_number)
+        self.signal_number = signal_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,22 +78,21 @@ def build_parser() -> argparse.ArgumentParser:
     voice.add_argument("--voice", action="append", default=[], metavar="FILE",
                        help="saved voice file (from --save-voice); repeatable")
     voice.add_argument("--save-voice", type=Path, metavar="FILE",
-                       help="save the single --reference as a voice file (.safetensors); the text is then optional")
+                       help=f"save the single --reference as a voice file (FILE{VOICE_FILE_SUFFIX}); the text is then "
+                       "optional")
 
-    sampling = parser.add_argument_group("sampling (defaults: the model's generation config)")
+    sampling = parser.add_argument_group(
+        "sampling", "defaults: the checkpoint's generation config (docs/usage.md, 'Sampling settings')")
     sampling.add_argument("--seed", type=int, help="make the run reproducible")
     sampling.add_argument("--greedy", action="store_true", help="always take the most likely token (no sampling)")
-    sampling.add_argument("--temperature", type=_number(float, lambda v: v > 0, "must be > 0"),
-                          help=f"main-token temperature (default {DEFAULTS['temperature']})")
-    sampling.add_argument("--top-p", type=_number(float, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-                          help=f"main-token top-p (default {DEFAULTS['top_p']})")
-    sampling.add_argument("--top-k", type=_number(int, lambda v: v >= 1, "must be >= 1"),
-                          help=f"main-token top-k (default {DEFAULTS['top_k']}: no limit)")
-    sampling.add_argument("--max-new-tokens", type=_number(int, lambda v: v >= 1, "must be >= 1"), metavar="FRAMES",
-                          help=f"most frames per chunk (21.5 frames = 1 s; default {DEFAULTS['max_new_tokens']})")
-    chunk_bytes = _number(int, lambda v: v >= MIN_CHUNK_BYTES, f"must be >= {MIN_CHUNK_BYTES}")
-    sampling.add_argument("--chunk-bytes", type=chunk_bytes, default=300, metavar="BYTES",
-                          help="long text is spoken in chunks of at most this many UTF-8 bytes (default 300)")
+    sampling.add_argument("--temperature", type=float, help="main-token temperature (> 0)")
+    sampling.add_argument("--top-p", type=float, help="main-token top-p, in (0, 1]")
+    sampling.add_argument("--top-k", type=int, help="main-token top-k (default: no limit)")
+    sampling.add_argument("--max-new-tokens", type=int, metavar="FRAMES",
+                          help="most frames per chunk (21.5 frames = 1 s; default 2048)")
+    sampling.add_argument("--chunk-bytes", type=int, default=300, metavar="BYTES",
+                          help=f"long text is spoken in chunks of at most this many UTF-8 bytes (default 300, at "
+                          f"least {MIN_CHUNK_BYTES})")
 
     run = parser.add_argument_group("running")
     run.add_argument("--stream", action="store_true", help="write the audio while it is generated")
@@ -115,16 +109,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Command-line shape errors (exit status 2)."""
+def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Command-line shape errors (exit status 2); nothing is imported or read."""
     if not (args.model or args.tiny):
         parser.error("choose a checkpoint: --model PATH_OR_HUB_ID, or --tiny for the embedded random one")
-    if args.parallel is not None and not parallel.launched_with_torchrun():
+    if args.parallel is not None and not under_torchrun():
         parser.error("--parallel splits the model over the processes of a torchrun launch: "
                      "torchrun --nproc-per-node N -m transformers_drama3.cli ...")
-    if parallel.launched_with_torchrun() and args.device != "auto":
+    if under_torchrun() and args.device != "auto":
         parser.error("under torchrun each rank uses GPU LOCAL_RANK (or the CPU): leave --device out")
     if args.summary:
+        speech_flags = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
+                        ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice))
+        given = [flag for flag, value in speech_flags if value]
+        if given:
+            parser.error(f"--summary only describes the checkpoint and speaks nothing: leave out {', '.join(given)}")
         return
     if args.text is not None and args.text_file is not None:
         parser.error("give the text either as an argument or with --text-file, not both")
@@ -140,13 +139,109 @@ def _check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
                      f"{len(args.reference_text)} --reference-text")
     if args.save_voice is not None and len(args.reference) != 1:
         parser.error(f"--save-voice saves one --reference; got {len(args.reference)}")
+    if args.save_voice is not None and args.save_voice.suffix.lower() != VOICE_FILE_SUFFIX:
+        parser.error(f"--save-voice writes a voice file, not audio: name it *{VOICE_FILE_SUFFIX} "
+                     f"(got {str(args.save_voice)!r})")
+    if args.greedy:
+        given = [f"--{name.replace('_', '-')}" for name in SAMPLING_FLAGS if getattr(args, name) is not None]
+        if given:
+            parser.error(f"--greedy always takes the most likely token, so {' and '.join(given)} would change nothing: "
+                         "leave out one or the other")
+    if args.chunk_bytes < MIN_CHUNK_BYTES:
+        parser.error(f"--chunk-bytes must be at least {MIN_CHUNK_BYTES}; got {args.chunk_bytes}")
+
+
+def under_torchrun() -> bool:
+    """Launched by torchrun with several processes (`parallel.launched_with_torchrun`). parallel.py imports torch, so
+    it is asked only when torchrun's `WORLD_SIZE` is set."""
+    if "WORLD_SIZE" not in os.environ:
+        return False
+    from . import parallel
+
+    return parallel.launched_with_torchrun()
+
+
+def generation_flags(args: argparse.Namespace) -> dict:
+    """The sampling and decoding flags that were given, as `generate` keywords."""
+    settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
+                "max_new_tokens": args.max_new_tokens}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    if args.greedy:
+        settings["do_sample"] = False
+    if args.fast_decode:
+        settings["fast_decode"] = True
+    return settings
+
+
+def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
+    """`generation_flags`, checked by `generation_settings` against the Drama 3 defaults: the same rules `generate`
+    applies, before any model loads. An out-of-range value is a usage error (exit status 2) naming its flag."""
+    from transformers import GenerationConfig
+
+    from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+
+    flags = generation_flags(args)
+    try:
+        generation_settings(GenerationConfig(**DRAMA3_GENERATION_DEFAULTS), **flags)
+    except (TypeError, ValueError) as error:
+        message = str(error).replace("do_sample=False", "--greedy")
+        for name in flags:  # the setting's name as the flag the user typed
+            message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
+        parser.error(message)
+    return flags
+
+
+def check_device(device: str) -> None:
+    """Refuse a device torch does not know, or one this machine does not have, with a message saying what to use."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
+    if parsed.type == "cpu":
+        return
+    if parsed.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    elif parsed.type in ("cuda", "xpu"):
+        backend = getattr(torch, parsed.type)
+        available, count = backend.is_available(), backend.device_count()
+    else:
+        raise ValueError(f"--device {device!r}: Drama 3 does not run on {parsed.type!r} devices; use cpu, cuda or mps")
+    if not available:
+        build = " (this torch is built without CUDA)" if parsed.type == "cuda" and torch.version.cuda is None else ""
+        raise ValueError(f"--device {device}: no {parsed.type} device is available on this machine{build}; "
+                         "use --device cpu")
+    if parsed.index is not None and parsed.index >= count:
+        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered from 0")
+
+
+def resolve_device_and_dtype(device: str, dtype: str):
+    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype), the device checked (`check_device`):
+    cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator, float32 on the
+    CPU."""
+    import torch
+
+    if device == "auto" and under_torchrun():
+        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
+    elif device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_device(device)
+    if dtype == "auto":
+        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+    return device, getattr(torch, dtype)
 
 
 def _read_text(args: argparse.Namespace) -> str | None:
-    if args.text_file is not None:
-        return args.text_file.read_text(encoding="utf-8")
-    if args.text == "-":
-        return sys.stdin.read()
+    try:
+        if args.text_file is not None:
+            return args.text_file.read_text(encoding="utf-8")
+        if args.text == "-":
+            return sys.stdin.buffer.read().decode("utf-8") if hasattr(sys.stdin, "buffer") else sys.stdin.read()
+    except UnicodeDecodeError as error:
+        source = f"--text-file {str(args.text_file)!r}" if args.text_file is not None else "standard input"
+        raise CommandError(f"{source} is not UTF-8 text ({error.reason} at byte {error.start}): convert it to UTF-8, "
+                           "e.g. with iconv -t UTF-8") from None
     return args.text
 
 
@@ -161,20 +256,12 @@ def check_writable(path: Path) -> None:
         raise PermissionError(f"cannot write {str(path)!r}: the directory {str(parent)!r} is not writable")
 
 
-def _resolve_device_and_dtype(args: argparse.Namespace):
-    device = args.device
-    if device == "auto" and parallel.launched_with_torchrun():
-        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    elif device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = args.dtype
-    if dtype == "auto":
-        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
-    return device, getattr(torch, dtype)
-
-
 def load_model(path: str, device: str, dtype):
     """The model on `device` (loaded straight there on an accelerator, so a large checkpoint never sits in RAM)."""
+    import torch
+
+    from .modeling_drama3 import FishOmniForSpeech
+
     if torch.device(device).type == "cpu":
         return FishOmniForSpeech.from_pretrained(path, dtype=dtype).eval()
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
@@ -182,84 +269,185 @@ def load_model(path: str, device: str, dtype):
 
 def load_parallel_model(path: str, dtype, expert_parallel: bool):
     """This rank's share of the model, split over the torchrun ranks (`transformers_drama3.parallel`)."""
+    from . import parallel
+    from .modeling_drama3 import FishOmniForSpeech
+
     config = parallel.distributed_config(expert_parallel=expert_parallel)
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
 
 
-def _say(args: argparse.Namespace, message: str) -> None:
-    if not args.quiet:
-        print(message, file=sys.stderr)
+def is_main_process() -> bool:
+    """Rank 0 under torchrun (and every single process): the one that reads input, prints and writes."""
+    if not under_torchrun():
+        return True
+    from . import parallel
+
+    return parallel.is_main_process()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    _check_usage(parser, args)
-    if parallel.launched_with_torchrun():
-        parallel.init_process_group()
-        args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
+    check_usage(parser, args)
     try:
-        with _transformers_quiet(args.quiet):
-            return _run(args)
+        with _stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
+            flags = check_generation_flags(parser, args)
+            if under_torchrun():
+                from . import parallel
+
+                parallel.init_process_group()
+                notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
+            return _run(args, flags, notes)
     except KeyboardInterrupt:
         print("drama3-tts: interrupted", file=sys.stderr)
         return INTERRUPTED
-    except (CommandError, OSError, ValueError, torch.OutOfMemoryError) as error:
-        if parallel.is_main_process():
+    except Stopped as stop:
+        print(f"drama3-tts: stopped by {signal.Signals(stop.signal_number).name}", file=sys.stderr)
+        return 128 + stop.signal_number
+    except _reported_errors() as error:
+        if is_main_process():
             print(f"drama3-tts: error: {error}", file=sys.stderr)
         return FAILURE
 
 
+def _reported_errors() -> tuple[type[BaseException], ...]:
+    """The errors `main` reports as one line: ours, bad input, files, and running out of memory (torch's error, when
+    torch has been imported at all)."""
+    torch = sys.modules.get("torch")
+    return (CommandError, OSError, ValueError) + ((torch.OutOfMemoryError,) if torch is not None else ())
+
+
 @contextlib.contextmanager
-def _transformers_quiet(quiet: bool):
-    """With `quiet`, silence transformers' warnings and progress bars for the run, then restore them."""
-    verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
-    if quiet:
-        transformers_logging.set_verbosity_error()
-        transformers_logging.disable_progress_bar()
+def _stop_signals_raise():
+    """While running, SIGTERM and SIGHUP raise `Stopped` in the main thread (their default is to end the process at
+    once, leaving temporary files behind); a repeated signal is ignored while the first one unwinds."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
+        yield
+        return
+    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
+
+    def stop(number, frame):
+        for each in numbers:
+            signal.signal(each, signal.SIG_IGN)
+        raise Stopped(number)
+
+    previous = {number: signal.signal(number, stop) for number in numbers}
     try:
         yield
     finally:
-        transformers_logging.set_verbosity(verbosity)
-        if bars:
-            transformers_logging.enable_progress_bar()
+        for number, handler in previous.items():
+            signal.signal(number, handler)
 
 
-def _run(args: argparse.Namespace) -> int:
-    path = args.model or default_tiny_checkpoint()
-    device, dtype = _resolve_device_and_dtype(args)
+class _Notes(logging.Handler):
+    """Collects the warnings that transformers and Drama 3 log during a run, so that the CLI says each once, as a
+    `note:` line, when no progress bar is drawing (`say_all`), in place of transformers' own printing."""
+
+    def __init__(self, quiet: bool):
+        super().__init__(logging.ERROR if quiet else logging.WARNING)
+        self.quiet = quiet
+        self.messages: list[str] = []
+        self.said: set[str] = set()
+        self.on_cpu = True  # linear-attention kernels exist for GPUs only: no note about them on a CPU
+
+    @classmethod
+    @contextlib.contextmanager
+    def collecting(cls, quiet: bool):
+        from transformers.utils import logging as transformers_logging
+
+        notes = cls(quiet)
+        verbosity, bars = transformers_logging.get_verbosity(), transformers_logging.is_progress_bar_enabled()
+        loggers = [logging.getLogger("transformers"), logging.getLogger(__package__)]
+        transformers_logging.disable_default_handler()
+        if quiet:
+            transformers_logging.set_verbosity_error()
+            transformers_logging.disable_progress_bar()
+        for logger in loggers:
+            logger.addHandler(notes)
+        try:
+            yield notes
+        finally:
+            for logger in loggers:
+                logger.removeHandler(notes)
+            transformers_logging.enable_default_handler()
+            transformers_logging.set_verbosity(verbosity)
+            if bars:
+                transformers_logging.enable_progress_bar()
+            notes.say_all()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+    def say(self, message: str) -> None:
+        if not self.quiet:
+            print(message, file=sys.stderr)
+
+    def say_all(self) -> None:
+        """Print the notes collected so far, each once; transformers' notes about missing GPU kernels are gathered
+        into one (and left out on a CPU, where those kernels do not exist)."""
+        messages, self.messages = self.messages, []
+        missing = sorted({match.group(1) for message in messages if (match := KERNEL_FALLBACK.search(message))})
+        lines = [message for message in messages if not KERNEL_FALLBACK.search(message)]
+        if missing and not self.on_cpu:
+            lines.append(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed, so the "
+                         "linear-attention layers run their reference PyTorch code (correct, but slower): "
+                         f"pip install {' '.join(missing)}")
+        for line in dict.fromkeys(lines):
+            if line not in self.said:
+                self.said.add(line)
+                self.say(f"note: {line}")
+
+
+def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
+    from .processing_drama3 import Drama3Processor
+    from .voice import Drama3Voice
+
+    device, dtype = resolve_device_and_dtype(args.device, args.dtype)
+    notes.on_cpu = device == "cpu"
+    text, voices = _on_main_process(_read_inputs, args)
+    path = _checkpoint(args)
     if args.summary:
-        model = _load(args, path, device, dtype)
-        if parallel.is_main_process():
+        model = _load(args, notes, path, device, dtype)
+        if is_main_process():
             print(model_summary(model))
         return 0
 
-    text, voices = parallel.run_on_main_process(_read_inputs, args)
     processor = _loaded(Drama3Processor.from_pretrained, path)
     if text is not None:
         processor.split_text(text, max_bytes=args.chunk_bytes)  # refuses empty or unsafe text before loading
-    model = _load(args, path, device, dtype)
+    for number, (audio, transcript) in enumerate(zip(args.reference, args.reference_text), start=1):
+        processor.check_text(transcript, f"--reference-text {number}")
+        processor.check_audio(audio, where=f"--reference {number}")
+    for file, voice in zip(args.voice, voices):
+        processor.check_reference(voice, f"--voice {file}")
+    model = _load(args, notes, path, device, dtype)
 
-    references = [{"transcript": t, "audio": a} for a, t in zip(args.reference, args.reference_text)] + voices
+    references = [  # encoded once, here, so that notes about the recordings come before the progress bars
+        {"transcript": transcript, "codes": processor.encode_audio(audio, codec=model.codec, where=f"--reference {n}")}
+        for n, (audio, transcript) in enumerate(zip(args.reference, args.reference_text), start=1)
+    ] + voices
+    notes.say_all()
     if args.save_voice is not None:
-        references[0] = processor.create_voice(args.reference_text[0], args.reference[0], codec=model.codec)
-        if parallel.is_main_process():
-            references[0].save(args.save_voice)
-        _say(args, f"saved the voice to {args.save_voice}")
+        voice = Drama3Voice(codes=references[0]["codes"], transcript=references[0]["transcript"])
+        if is_main_process():
+            voice.save(args.save_voice)
+        notes.say(f"saved the voice to {args.save_voice}")
     if text is None:
         return 0
-    speech = _speak(args, model, processor, text, references)
-    for index, reason in enumerate(speech.finish_reasons):
-        if reason != "eos":
-            _say(args, f"note: chunk {index + 1} of {len(speech.texts)} stopped at the {reason} limit before the "
-                 "end of speech (raise --max-new-tokens if it was cut)")
-    _say(args, f"wrote {args.output}: {speech.duration:.2f} s, {speech.num_frames} frames, "
-         f"{len(speech.texts)} chunk{'s' if len(speech.texts) != 1 else ''}")
+    speech = _speak(args, flags, model, processor, text, references)
+    notes.say_all()
+    _say_finish_reasons(notes, speech.finish_reasons, model.generation_config.max_new_tokens, flags)
+    chunks = len(speech.texts)
+    notes.say(f"wrote {args.output}: {speech.duration:.2f} s, {speech.num_frames} frames, "
+              f"{chunks} chunk{'s' if chunks != 1 else ''}")
     return 0
 
 
-def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list[Drama3Voice]]:
+def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list]:
     """The text and the voice files, with the output paths checked (run by rank 0 alone under torchrun)."""
+    from .audio_io import audio_file_format
+    from .voice import Drama3Voice
+
     text = _read_text(args)
     for output in (args.output, args.save_voice):
         if output is not None:
@@ -269,14 +457,40 @@ def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list[Drama3Voice
     return text, [Drama3Voice.load(file) for file in args.voice]
 
 
-def _load(args, path, device, dtype):
-    if parallel.launched_with_torchrun():
+def _on_main_process(function, *args):
+    """`function(*args)` on rank 0 alone under torchrun, its result (or error) shared with every rank."""
+    if not under_torchrun():
+        return function(*args)
+    from . import parallel
+
+    return parallel.run_on_main_process(function, *args)
+
+
+def _checkpoint(args: argparse.Namespace) -> str:
+    """The local directory of the checkpoint: `--model` (a directory, or a Hub repository found in the cache or
+    downloaded now, once) or the embedded tiny one. Everything after reads that directory, never the network."""
+    if args.tiny:
+        from .testing import default_tiny_checkpoint
+
+        return default_tiny_checkpoint()
+    from .checkpoint_location import checkpoint_directory
+
+    return _loaded(checkpoint_directory, args.model)
+
+
+def _load(args, notes: _Notes, path, device, dtype):
+    name, dtype_name = args.model or "the tiny checkpoint", str(dtype).removeprefix("torch.")
+    if under_torchrun():
+        from . import parallel
+
         mode = args.parallel or "expert"
-        _say(args, f"loading {path} split over {parallel.world_size()} ranks ({mode} parallel, "
-             f"{str(dtype).removeprefix('torch.')})")
-        return _loaded(load_parallel_model, path, dtype, mode == "expert")
-    _say(args, f"loading {path} on {device} ({str(dtype).removeprefix('torch.')})")
-    return _loaded(load_model, path, device, dtype)
+        notes.say(f"loading {name} split over {parallel.world_size()} ranks ({mode} parallel, {dtype_name})")
+        model = _loaded(load_parallel_model, path, dtype, mode == "expert")
+    else:
+        notes.say(f"loading {name} on {device} ({dtype_name})")
+        model = _loaded(load_model, path, device, dtype)
+    notes.say_all()
+    return model
 
 
 def _loaded(load, path: str, *args):
@@ -287,24 +501,40 @@ def _loaded(load, path: str, *args):
         raise CommandError(f"cannot load {path!r}: {error}") from error
 
 
-def _generation_settings(args: argparse.Namespace) -> dict:
-    """The sampling and decoding flags that were given, as `generate` keywords."""
-    settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
-                "max_new_tokens": args.max_new_tokens}
-    settings = {key: value for key, value in settings.items() if value is not None}
-    if args.greedy:
-        settings["do_sample"] = False
-    if args.fast_decode:
-        settings["fast_decode"] = True
-    return settings
+def _say_finish_reasons(notes: _Notes, reasons: list[str], default_frames: int, flags: dict) -> None:
+    """One note for all the chunks that stopped at a limit instead of at the end of speech."""
+    advice = {
+        "length": (f"the {flags.get('max_new_tokens', default_frames)}-frame limit",
+                   "raise --max-new-tokens if speech was cut"),
+        "context": ("the backbone's context", "give less text per chunk with a smaller --chunk-bytes"),
+    }
+    for reason, (limit, remedy) in advice.items():
+        cut = [index for index, each in enumerate(reasons) if each == reason]
+        if not cut:
+            continue
+        which = "the speech" if len(reasons) == 1 else f"{len(cut)} of {len(reasons)} chunks ({_ranges(cut)})"
+        notes.say(f"note: {which} stopped at {limit} before the end of speech: {remedy}")
 
 
-def _speak(args, model, processor, text, references):
-    options = dict(chunk_bytes=args.chunk_bytes, seed=args.seed, show_progress=not args.quiet,
-                   **_generation_settings(args))
-    if not args.stream or not parallel.is_main_process():  # under torchrun only rank 0 writes
+def _ranges(indices: list[int]) -> str:
+    """Zero-based indices as one-based ranges: [0, 1, 2, 5] -> "1-3, 6" (at most 5 ranges, then "...")."""
+    spans: list[list[int]] = []
+    for index in indices:
+        if spans and index == spans[-1][1] + 1:
+            spans[-1][1] = index
+        else:
+            spans.append([index, index])
+    words = [f"{a + 1}" if a == b else f"{a + 1}-{b + 1}" for a, b in spans]
+    return ", ".join(words[:5] + (["..."] if len(words) > 5 else []))
+
+
+def _speak(args, flags, model, processor, text, references):
+    from .synthesis import synthesize
+
+    options = dict(chunk_bytes=args.chunk_bytes, seed=args.seed, show_progress=not args.quiet, **flags)
+    if not args.stream or not is_main_process():  # under torchrun only rank 0 writes
         speech = synthesize(model, processor, text, references, **options)
-        if parallel.is_main_process():
+        if is_main_process():
             processor.save_audio(speech.audio, args.output, speech.sampling_rate)
         return speech
     return stream_to_file(args.output, model, lambda streamer: synthesize(
@@ -314,17 +544,18 @@ def _speak(args, model, processor, text, references):
 def stream_to_file(path: Path, model, run):
     """Call `run(streamer)` while a thread writes the streamer's audio chunks into `path` as they arrive.
 
-    The chunks go to a temporary file next to `path` that is renamed over it at the end (`write_atomically`), so
-    the finished file equals what a non-streamed run writes and a failed run leaves nothing behind.
+    The chunks go to a temporary file next to `path` that is renamed over it at the end (`write_atomically`), so a
+    failed or stopped run leaves nothing behind, and through `AudioFileWriter`, so the finished file is byte for
+    byte the file a run without streaming writes.
     """
-    import soundfile  # imported on first use, as the processor does
+    from .audio_io import AudioFileWriter, write_atomically
+    from .streaming import Drama3AudioStreamer
 
-    file_format, subtype = audio_file_format(path)
     streamer = Drama3AudioStreamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
     result, failures = [], []
 
     def write(file) -> None:
-        with soundfile.SoundFile(file, "w", model.config.sampling_rate, 1, subtype, format=file_format) as sound:
+        with AudioFileWriter(file, path, model.config.sampling_rate) as sound:
             writer = threading.Thread(target=_drain, args=(streamer, sound, failures), daemon=True)
             writer.start()
             try:
@@ -340,11 +571,10 @@ def stream_to_file(path: Path, model, run):
 
 
 def _drain(streamer, sound, failures: list) -> None:
-    """Write audio chunks from `streamer` into the open sound file until the stream ends (a writer thread)."""
+    """Write audio chunks from `streamer` into the open `AudioFileWriter` until the stream ends (a writer thread)."""
     try:
         for chunk in streamer:
-            sound.write(np.clip(chunk.numpy(), -1.0, 1.0))
-            sound.flush()
+            sound.write(chunk.numpy())
     except Exception as error:  # re-raised by the generating thread
         failures.append(error)
 

@@ -1,10 +1,10 @@
 """Configurations of Drama 3: the whole model, its codebook tower and its codec.
 
-`FishOmniConfig` reads the original `config.json` of `fishaudio/drama-3` (SPEC 2.1). Its `text_config` becomes
-transformers' own `Qwen3_5MoeTextConfig` (the backbone *is* that model); the Fish-only keys of a
-`"fish_omni_text"` config are checked and dropped. Every rule of SPEC 2.1 is checked when the config is built,
-so a bad checkpoint fails before any weight is read, with a `Drama3ConfigError` naming the key, the value and
-the rule.
+`FishOmniConfig` reads the original `config.json` of `fishaudio/drama-3` (docs/format.md#config-rules). Its
+`text_config` becomes transformers' own `Qwen3_5MoeTextConfig` (the backbone *is* that model); the Fish-only keys
+of a `"fish_omni_text"` config are checked and dropped. Every rule of the format is checked when the config is
+built, so a bad checkpoint fails before any weight is read, with a `Drama3ConfigError` naming the key, the value
+and the rule.
 """
 
 from __future__ import annotations
@@ -16,27 +16,19 @@ from typing import Any
 from transformers import PreTrainedConfig
 from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
 
+from .compat import sub_configs_declaration
+
 SPEECH_TEMPLATE_VERSIONS = ("reference-bracket-v1",)
 FISH_SCHEMA_VERSIONS = (1,)
 
 
 class Drama3ConfigError(ValueError):
-    """A config value breaks one of the rules of the Drama 3 checkpoint format (SPEC 2.1)."""
+    """A config value breaks one of the rules of the Drama 3 checkpoint format (docs/format.md#config-rules)."""
 
 
 def _require(ok: bool, key: str, value: Any, rule: str) -> None:
     if not ok:
         raise Drama3ConfigError(f"config key `{key}` = {value!r} breaks the rule: {rule}")
-
-
-def _sub_configs(mapping: dict[str, type]) -> dict[str, Any]:
-    """Class attributes declaring sub-configs, in the form of the installed transformers.
-
-    transformers >= 5.20 reads `sub_configs_defaults`; older 5.x versions read `sub_configs`.
-    """
-    if "sub_configs_defaults" in PreTrainedConfig.__dict__:
-        return {"sub_configs_defaults": mapping}
-    return {"sub_configs": mapping}
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -76,12 +68,13 @@ def merge_settings(defaults: dict, overrides: dict | None) -> dict:
 
 
 class FishDACConfig(PreTrainedConfig):
-    """Constants of the Fish "modified DAC" codec (SPEC 8.1). Defaults are the real Drama 3 codec.
+    """Constants of the Fish "modified DAC" codec (docs/format.md#codec-constants); the defaults are the real Drama 3
+    codec. It configures `FishDACCodec`, on its own (`model_type "fish_dac"`) or as `FishOmniConfig.codec_config`.
 
-    The checkpoint's `config.json` has no codec section; the optional `codec_config` dict of `FishOmniConfig`
-    overrides these defaults (the tiny test checkpoints use it). Its schema is the nested one of
-    `shared/golden/README.md` ("`codec_config` keys"); derived keys (`hop_length`, `frame_length`,
-    `encoder_transformer.blocks`, the `*_rule` strings) are recomputed and only checked when present.
+    Drama 3's `config.json` has no codec section; the optional `codec_config` dict of `FishOmniConfig` overrides these
+    defaults key by key (the tiny test checkpoints use it; schema in tests/fixtures/README.md, "`codec_config`
+    keys"). Derived keys (`hop_length`, `frame_length`, `encoder_transformer.blocks`, the `*_rule` strings) are
+    recomputed and only checked when present.
     """
 
     model_type = "fish_dac"
@@ -223,7 +216,8 @@ VQ_FEATURE_PLACEMENTS = ("mtp_shared_pre", "backbone_partial")
 
 
 class Drama3TowerConfig(PreTrainedConfig):
-    """The codebook tower (`audio_decoder_config`, SPEC 2.1 and 5): 4 shared + 9 residual layers.
+    """The codebook tower (`audio_decoder_config`; docs/format.md#config-rules, docs/format.md#the-codebook-tower):
+    4 shared + 9 residual layers.
 
     `rotary_interleaved` and `attention_qk_norm` are stored by the exporter but ignored: the tower's RoPE is
     always interleaved and its q/k norms always exist.
@@ -383,7 +377,7 @@ class FishOmniConfig(PreTrainedConfig):
 
     model_type = "fish_omni"
     locals().update(
-        _sub_configs(
+        sub_configs_declaration(
             {"text_config": Qwen3_5MoeTextConfig, "audio_decoder_config": Drama3TowerConfig, "codec_config": FishDACConfig}
         )
     )
@@ -427,7 +421,7 @@ class FishOmniConfig(PreTrainedConfig):
         return self.audio_decoder_config.vocab_size
 
     def validate_drama3(self) -> None:
-        """Check the rules of SPEC 2.1 that tie the sub-configs together."""
+        """Check the rules of docs/format.md#config-rules that tie the sub-configs together."""
         _require(self.model_type == "fish_omni", "model_type", self.model_type, 'must be "fish_omni"')
         _require(self.fish_schema_version in FISH_SCHEMA_VERSIONS, "fish_schema_version", self.fish_schema_version,
                  f"must be one of {FISH_SCHEMA_VERSIONS}")

@@ -23,6 +23,7 @@ from transformers import GenerationConfig, GenerationMixin, LogitsProcessorList,
 from transformers.generation.streamers import BaseStreamer
 from transformers.utils import ModelOutput, logging
 
+from . import compat
 from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
 from .frame_step import FrameState, attention_window, row_limit
@@ -37,7 +38,7 @@ DRAMA3_GENERATION_DEFAULTS = {
     "max_new_tokens": 2048,  # frames: 2048 frames = 95 s of audio
     "temperature": 1.0,  # main token
     "top_p": 0.9,
-    "top_k": None,  # no top-k for the main token: a cap of 30 makes reference-free takes fall silent
+    "top_k": 0,  # 0 (or None): no top-k for the main token; a cap of 30 makes reference-free takes fall silent
     "ras_window": 16,
     "ras_temperature": 1.0,
     "ras_top_k": 30,
@@ -110,8 +111,8 @@ def check_settings(values: dict) -> None:
         if not _is_number(values[name]) or not 0 < values[name] <= 1:
             raise ValueError(f"{name} must be a number in (0, 1], got {values[name]!r}")
     for name in ("top_k", "ras_top_k", "codebook_top_k"):
-        if values[name] is not None and (not _is_int(values[name]) or values[name] < 1):
-            raise ValueError(f"{name} must be an integer >= 1 (or None for no limit), got {values[name]!r}")
+        if values[name] is not None and (not _is_int(values[name]) or values[name] < 0):
+            raise ValueError(f"{name} must be an integer >= 1 (0 or None for no limit), got {values[name]!r}")
 
 
 def generation_settings(
@@ -129,7 +130,10 @@ def generation_settings(
         if getattr(settings, key, None) is None:
             setattr(settings, key, value)
     if generation_config is not None:
-        given = generation_config.to_diff_dict()
+        # transformers' own defaults filled in (pipelines of some versions do it) set nothing.
+        neutral = compat.generation_defaults()
+        given = {key: value for key, value in generation_config.to_diff_dict().items()
+                 if key in DRAMA3_GENERATION_DEFAULTS or (value is not None and value != neutral.get(key))}
         unsupported = sorted(set(given) - set(DRAMA3_GENERATION_DEFAULTS) - set(_IGNORED_SETTINGS))
         if unsupported:
             raise ValueError(
@@ -358,9 +362,15 @@ class FrameLoop:
         def state_for(batch: int, capacity: int, template) -> FrameState:
             return states.state(batch, capacity, ras_window, template, self.need_scores)
 
+        def window(rows: int) -> int:
+            """Rows a step attends over when `rows` are in use: a captured or compiled step keeps its shape for a
+            while (`attention_window`: a few distinct shapes, so few graphs and compilations); an eager one reads
+            exactly the rows in use."""
+            return attention_window(rows, cap) if self.graphs or self.compile_backend else rows
+
         batch = len(self.lengths)
-        visible = attention_window(self.rows + 1, cap)  # rows in use after the first step
-        state = state_for(self._bucket(batch), visible, prefill.cache)
+        visible = window(self.rows + 1)  # rows in use after the first step
+        state = state_for(self._bucket(batch), attention_window(self.rows + 1, cap), prefill.cache)
         self.members = list(range(batch))  # original index of state row i, for the first len(members) rows
         self.member_index = torch.arange(batch, device=state.slot.device)
         self.step = 0
@@ -371,15 +381,15 @@ class FrameLoop:
         )
         for step in range(self.frames):
             self.step = step
-            window = attention_window(self.rows + step + 1, cap)  # this step's new row is row rows + step
-            if window > state.capacity:  # grow: the same sequences in a state with room for the window
-                bigger = state_for(state.batch, window, state.cache)
-                run = runner(bigger, window)
+            rows = self.rows + step + 1  # this step's new row is row rows - 1
+            if rows > state.capacity:  # grow: the same sequences in a state with room for the next window
+                bigger = state_for(state.batch, attention_window(rows, cap), state.cache)
+                run = runner(bigger, window(rows))
                 bigger.load_from(state, torch.arange(state.batch, device=state.slot.device))
                 state = bigger
-            elif window != visible:
-                run = runner(state, window)
-            visible = window
+            elif window(rows) != visible:
+                run = runner(state, window(rows))
+            visible = window(rows)
             self.sampler.fill_noise(state.noise, self._row_generators(self.members, state.batch))
             ended_before = state.ended[: len(self.members)].clone() if state.scores is not None else None
             run()

@@ -1,6 +1,7 @@
-"""The Fish "modified DAC" codec of Drama 3 (SPEC section 8): 44.1 kHz mono audio <-> 10 codes per frame.
+"""The Fish "modified DAC" codec of Drama 3 (docs/format.md#the-codec): 44.1 kHz mono audio <-> 10 codes per frame.
 
-`FishDACCodec` holds the three parts, every size read from `FishDACConfig`:
+`FishDACCodec` is a transformers model of its own (an audio tokenizer: `AutoModel`, `from_pretrained`,
+`save_pretrained`) holding three parts, every size read from `FishDACConfig`:
 
 - `FishDACEncoder`: audio -> latents (causal convs, Snake, one windowed transformer), one step per `hop_length`.
 - `FishDACQuantizer`: latents -> codes and codes -> latents (down/upsampling, the `pre_module`/`post_module`
@@ -12,9 +13,9 @@ Every block is causal, so decoding can be streamed: `FishDACCodec.stream()` retu
 and values inside the attention window, the absolute frame position). Every stateful `forward` takes an
 optional `state` dict for this; `None` means a one-shot call over the whole sequence.
 
-Weights come from the original `codec.pth` (`load_codec_state_dict`, then `FishDACCodec.load_original_state_dict`),
-which folds weight norm and the VQ output projections once; the folded codec saves and loads with the usual
-`state_dict()` / `load_state_dict()`.
+Weights: a Drama 3 checkpoint keeps the codec in `codec.pth`, in the original layout (`load_codec_state_dict`,
+`FishDACCodec.from_codec_file`), which is folded once while loading (weight norm, VQ output projections). The folded
+codec is what `state_dict()`, `save_pretrained` and `from_pretrained` hold.
 """
 
 from __future__ import annotations
@@ -30,9 +31,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from transformers import initialization as init
+from transformers.modeling_utils import PreTrainedAudioTokenizerBase
 
 from .audio_io import resample_audio
 from .configuration_drama3 import FishDACConfig
+
+INIT_STD = 0.02  # standard deviation of a new codec's conv and linear weights
 
 # A stream state maps each stateful module to what it carries between chunks (tensors or a position).
 StreamState = dict[nn.Module, Any]
@@ -48,7 +53,7 @@ class FishDACLoadError(ValueError):
 
 
 class Snake(nn.Module):
-    """`y = x + sin(alpha * x)^2 / alpha`, one learned `alpha` per channel (SPEC 8.2)."""
+    """`y = x + sin(alpha * x)^2 / alpha`, one learned `alpha` per channel (docs/format.md#codec-blocks)."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -118,7 +123,8 @@ class CausalConvTranspose1d(nn.Module):
 
 
 class ResidualUnit(nn.Module):
-    """Snake -> causal conv k7 (dilated) -> Snake -> causal conv k1, added to the input (SPEC 8.2)."""
+    """Snake -> causal conv k7 (dilated) -> Snake -> causal conv k1, added to the input
+    (docs/format.md#codec-blocks)."""
 
     def __init__(self, channels: int, dilation: int):
         super().__init__()
@@ -320,7 +326,8 @@ class EncoderBlock(nn.Module):
 
 
 class FishDACEncoder(nn.Module):
-    """Audio -> latents: conv k7 -> encoder blocks -> Snake -> conv k3 (SPEC 8.3), one step per `hop_length`."""
+    """Audio -> latents: conv k7 -> encoder blocks -> Snake -> conv k3, one step per `hop_length`
+    (docs/format.md#codec-encoding)."""
 
     def __init__(self, config: FishDACConfig):
         super().__init__()
@@ -366,7 +373,8 @@ class DecoderBlock(nn.Module):
 
 
 class FishDACDecoder(nn.Module):
-    """Latents -> audio in [-1, 1]: conv k7 -> decoder blocks -> Snake -> conv k7 -> tanh (SPEC 8.4)."""
+    """Latents -> audio in [-1, 1]: conv k7 -> decoder blocks -> Snake -> conv k7 -> tanh
+    (docs/format.md#codec-decoding)."""
 
     def __init__(self, config: FishDACConfig):
         super().__init__()
@@ -420,7 +428,8 @@ class ResampleStage(nn.Module):
 
 
 class FishDACQuantizer(nn.Module):
-    """Latents at hop rate <-> codes at frame rate (SPEC 8.3 / 8.4).
+    """Latents at hop rate <-> codes at frame rate (docs/format.md#codec-encoding,
+    docs/format.md#codec-decoding).
 
     `codebooks[0]` is the semantic codebook (code 0), `codebooks[1:]` the residual ones (codes 1..n).
     """
@@ -471,7 +480,8 @@ def _as_tensor(value: Any, what: str) -> Tensor:
 
 
 def _check_codes(codes: Any, codebook_sizes: list[int]) -> Tensor:
-    """Validate `[batch, codebooks, frames]` integer codes and clamp each codebook to its size (SPEC 8.4)."""
+    """Validate `[batch, codebooks, frames]` integer codes and clamp each codebook to its size
+    (docs/format.md#codec-decoding)."""
     codes = _as_tensor(codes, "codes")
     if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
         raise TypeError(f"codes must be an integer tensor (torch.long), got {codes.dtype}")
@@ -536,50 +546,110 @@ def _float32_precision(allow_tf32: bool) -> Iterator[None]:
 
 
 def _codec_inference(method: Callable) -> Callable:
-    """Run a codec method without autograd and at the codec's float32 precision (`allow_tf32`)."""
+    """Run a codec method without autograd and at the codec's float32 precision (`allow_tf32`), once its weights are
+    known to be in memory."""
 
     @functools.wraps(method)
     def run(self, *args, **kwargs):
         codec = self if isinstance(self, FishDACCodec) else self.codec
+        if codec.decoder.output_conv.weight.is_meta:
+            raise ValueError(
+                "the codec's weights are on the meta device (offloaded by a device map, or never loaded). It encodes "
+                "and decodes through its own methods, outside accelerate's offload hooks, so it must be whole on one "
+                "device: load it without offloading (no device_map, or a single device)"
+            )
         with torch.no_grad(), _float32_precision(codec.allow_tf32):
             return method(self, *args, **kwargs)
 
     return run
 
 
-class FishDACCodec(nn.Module):
-    """The whole codec: `encode` (audio -> codes), `decode` (codes -> audio) and `stream()` (chunked decode).
+class FishDACCodec(PreTrainedAudioTokenizerBase):
+    """The Fish DAC codec as a transformers model of its own (an audio tokenizer, as transformers' DAC and Mimi are):
+    `encode` (audio -> codes), `decode` (codes -> audio) and `stream()` (chunked decode).
 
-    Build it from a `FishDACConfig` (placeholder weights: zeros and ones) and load `codec.pth` with `from_codec_file` or
-    `load_original_state_dict`. It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always
-    returned as float32. On CUDA it also keeps TF32 off while it runs; set `allow_tf32 = True` to trade precision
-    for speed.
+    - `FishDACCodec.from_pretrained` / `save_pretrained` / `AutoModel.from_pretrained` work as for any transformers
+      model (`model_type "fish_dac"`, a `FishDACConfig`, the folded weights in safetensors);
+    - `FishDACCodec.from_codec_file(path, config)` reads a `codec.pth` (the codec of a Drama 3 checkpoint);
+    - `FishDACCodec(config)` has random weights.
+
+    It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always returned as float32. On CUDA it
+    also keeps TF32 off while it runs; set `allow_tf32 = True` to trade precision for speed. docs/codec.md.
     """
 
+    config_class = FishDACConfig
+    base_model_prefix = ""
+    main_input_name = "audio"  # what `encode` takes
+    _no_split_modules = ["FishDACCodec"]  # decoding runs through methods and lookup tables, not one `forward`
+    # The codec's attention is its own: causal attention inside a window of frames, computed block by block with
+    # torch's scaled_dot_product_attention (`WindowedAttention`) whatever `attn_implementation` says. It accepts every
+    # kernel the Drama 3 model accepts, so that `attn_implementation=...` given to `FishOmniForSpeech` (which reaches
+    # every sub-config, this one too) loads, and leaves the codec's attention as it is.
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _supports_attention_backend = True
+
     def __init__(self, config: FishDACConfig):
-        super().__init__()
-        self.config = config
+        super().__init__(config)
         self.allow_tf32 = False
         self.encoder = FishDACEncoder(config)
         self.quantizer = FishDACQuantizer(config)
         self.decoder = FishDACDecoder(config)
+        self.post_init()
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        """Switching kernels (`set_attn_implementation`) is always allowed: the codec's attention does not use them.
+
+        transformers' default answer reads this module's source and says no, because its attention class does not
+        go through `ALL_ATTENTION_FUNCTIONS`; that would print a warning whenever the Drama 3 model switches."""
+        return True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """Random weights for a new codec: convs and linears N(0, 0.02) with zero biases, codebooks and lookup
+        tables N(0, 1), Snake `alpha`, norm gains and layer scales 1. (Loaded weights are left alone.)"""
+        if isinstance(module, (CausalConv1d, CausalConvTranspose1d, nn.Linear)):
+            init.normal_(module.weight, mean=0.0, std=INIT_STD)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, VectorQuantizer):
+            init.normal_(module.codebook)
+            init.normal_(module.table)
+        elif isinstance(module, Snake):
+            init.ones_(module.alpha)
+        elif isinstance(module, (RMSNorm, nn.LayerNorm)):
+            init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, (LayerScale, ConvNeXtBlock)):
+            init.ones_(module.gamma)
 
     @classmethod
     def from_codec_file(cls, path: str | Path, config: FishDACConfig | None = None) -> FishDACCodec:
-        """Build the codec for `config` (default: the real Drama 3 codec) and load an original `codec.pth`."""
-        codec = cls(config if config is not None else FishDACConfig())
-        codec.load_original_state_dict(load_codec_state_dict(path))
-        return codec.eval()
+        """The codec for `config` (default: the real Drama 3 codec) with the weights of a `codec.pth` file: the original
+        layout of a Drama 3 checkpoint, or the folded one that `FishOmniForSpeech.save_pretrained` writes. On the CPU,
+        in float32 and in eval mode (see `from_codec_state_dict`)."""
+        return cls.from_codec_state_dict(load_codec_state_dict(path), config)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.decoder.output_conv.weight.dtype
+    @classmethod
+    def from_codec_state_dict(cls, state_dict: dict[str, Tensor], config: FishDACConfig | None = None) -> FishDACCodec:
+        """The codec for `config` (default: the real Drama 3 codec) with the weights of a `codec.pth` state dict in
+        either layout (`load_codec_weights`), on the CPU, in float32 and in eval mode. Keys and shapes are checked
+        before any weight is allocated, and no random weights are drawn first."""
+        with torch.device("meta"):
+            codec = cls(config if config is not None else FishDACConfig())
+        check_codec_state_dict(codec, state_dict)
+        codec = codec.to_empty(device="cpu").float()  # uninitialised memory: the load below writes every weight
+        load_codec_weights(codec, state_dict)
+        return codec.eval()
 
     @_codec_inference
     def decode(self, codes: Tensor) -> Tensor:
         """codes `[batch, num_codebooks, frames]` -> float32 audio `[batch, frames * frame_length]` in [-1, 1].
 
-        Ids above a codebook's size are clamped to its last entry (SPEC 8.4); negative ids are an error.
+        Ids above a codebook's size are clamped to its last entry (docs/format.md#codec-decoding); negative ids are
+        an error.
         """
         codes = _check_codes(codes, self.quantizer.codebook_sizes)
         if codes.shape[-1] == 0:
@@ -588,7 +658,7 @@ class FishDACCodec(nn.Module):
 
     @_codec_inference
     def encode(self, audio: Tensor, sampling_rate: int) -> Tensor:
-        """Float audio -> codes `[batch, num_codebooks, ceil(samples / frame_length)]` (SPEC 8.3).
+        """Float audio -> codes `[batch, num_codebooks, ceil(samples / frame_length)]` (docs/format.md#codec-encoding).
 
         `audio` is `[samples]`, `[batch, samples]` or `[batch, channels, samples]` (channels are averaged to
         mono). Audio at another rate is resampled to `config.sample_rate` with `resample_audio`; the result is
@@ -604,23 +674,12 @@ class FishDACCodec(nn.Module):
         return FishDACStreamingDecoder(self)
 
     def load_original_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Load an original `codec.pth` state dict (SPEC 8.5 names), folding weight norm and VQ out_proj.
+        """Load a state dict in the original `codec.pth` layout (docs/format.md#codec-file-keys), folding weight norm
+        and the VQ output projections.
 
         Strict: missing keys, unexpected keys and wrong shapes raise `FishDACLoadError` naming them.
         """
-        expected = {key: shape for prefix, kind, module in _original_layout(self)
-                    for key, shape in _prefixed(prefix, _FORMATS[kind][0](module))}
-        missing = sorted(set(expected) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(expected))
-        if missing or unexpected:
-            raise FishDACLoadError(
-                f"codec state dict does not match the codec config: {len(missing)} missing keys {_preview(missing)}, "
-                f"{len(unexpected)} unexpected keys {_preview(unexpected)}"
-            )
-        wrong = [f"{key}: expected {list(shape)}, got {list(state_dict[key].shape)}"
-                 for key, shape in expected.items() if tuple(state_dict[key].shape) != tuple(shape)]
-        if wrong:
-            raise FishDACLoadError(f"codec state dict has {len(wrong)} tensors of the wrong shape: {_preview(wrong)}")
+        _check_keys_and_shapes(original_state_dict_shapes(self), state_dict)
         with torch.no_grad():
             for prefix, kind, module in _original_layout(self):
                 names = _FORMATS[kind][0](module)
@@ -665,7 +724,7 @@ class FishDACStreamingDecoder:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# The original `codec.pth` layout (SPEC 8.5): key shapes, folding, loading, random weights
+# The original `codec.pth` layout (docs/format.md#codec-file-keys): key shapes, folding, checking, loading
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -790,12 +849,58 @@ def _preview(items: list[str], limit: int = 8) -> str:
     return str(items[:limit])[:-1] + (f", ... {len(items) - limit} more]" if len(items) > limit else "]")
 
 
-def original_codec_key_shapes(config: FishDACConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor name of an original `codec.pth` for `config` (SPEC 8.5) with its shape; nothing is allocated."""
-    with torch.device("meta"):
-        codec = FishDACCodec(config)
+def original_state_dict_shapes(codec: FishDACCodec) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of an original `codec.pth` for `codec` with its shape (`codec` may live on the meta device)."""
     return {key: shape for prefix, kind, module in _original_layout(codec)
             for key, shape in _prefixed(prefix, _FORMATS[kind][0](module))}
+
+
+def original_codec_key_shapes(config: FishDACConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of an original `codec.pth` for `config` (docs/format.md#codec-file-keys) with its shape;
+    nothing is allocated."""
+    with torch.device("meta"):
+        codec = FishDACCodec(config)
+    return original_state_dict_shapes(codec)
+
+
+def is_original_layout(state_dict: dict[str, Tensor]) -> bool:
+    """Whether a `codec.pth` state dict is in the original layout; the folded one (`FishDACCodec.state_dict()`) is
+    recognised by its VQ lookup tables (`*.table`), which the original layout does not have."""
+    return not any(key.endswith(".table") for key in state_dict)
+
+
+def _check_keys_and_shapes(expected: dict[str, tuple[int, ...]], state_dict: dict[str, Tensor]) -> None:
+    missing = sorted(set(expected) - set(state_dict))
+    unexpected = sorted(set(state_dict) - set(expected))
+    if missing or unexpected:
+        raise FishDACLoadError(
+            f"codec state dict does not match the codec config: {len(missing)} missing keys {_preview(missing)}, "
+            f"{len(unexpected)} unexpected keys {_preview(unexpected)}"
+        )
+    wrong = [f"{key}: expected {list(shape)}, got {list(state_dict[key].shape)}"
+             for key, shape in expected.items() if tuple(state_dict[key].shape) != tuple(shape)]
+    if wrong:
+        raise FishDACLoadError(f"codec state dict has {len(wrong)} tensors of the wrong shape: {_preview(wrong)}")
+
+
+def check_codec_state_dict(codec: FishDACCodec, state_dict: dict[str, Tensor]) -> None:
+    """Raise `FishDACLoadError` naming what differs unless `state_dict` (original or folded layout) holds exactly the
+    tensors of `codec`, with their shapes. Reads shapes only, so `codec` may live on the meta device."""
+    if is_original_layout(state_dict):
+        expected = original_state_dict_shapes(codec)
+    else:
+        expected = {key: tuple(tensor.shape) for key, tensor in codec.state_dict().items()}
+    _check_keys_and_shapes(expected, state_dict)
+
+
+def load_codec_weights(codec: FishDACCodec, state_dict: dict[str, Tensor]) -> None:
+    """Load a `codec.pth` state dict in either layout into `codec`, strictly: the original layout is folded while
+    loading (`load_original_state_dict`), the folded one is copied as it is. Every weight of `codec` is written."""
+    check_codec_state_dict(codec, state_dict)
+    if is_original_layout(state_dict):
+        codec.load_original_state_dict(state_dict)
+    else:
+        codec.load_state_dict(state_dict)
 
 
 def load_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
@@ -833,6 +938,10 @@ __all__ = [
     "FishDACLoadError",
     "FishDACQuantizer",
     "FishDACStreamingDecoder",
+    "check_codec_state_dict",
+    "is_original_layout",
     "load_codec_state_dict",
+    "load_codec_weights",
     "original_codec_key_shapes",
+    "original_state_dict_shapes",
 ]

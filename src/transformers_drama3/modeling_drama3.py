@@ -3,12 +3,12 @@
 The backbone *is* transformers' `Qwen3_5MoeTextModel` (composed, not copied). `from_pretrained` reads the
 original `fishaudio/drama-3` layout: sharded safetensors with the original names (renamed by the registered
 conversion mapping, FP8 experts dequantised by the `bsgemm-moe` quantizer) and `codec.pth` (read with
-`weights_only=True`). Before any weight is read it checks the config (SPEC 2.1) and the safetensors headers.
+`weights_only=True`, see `codec_file`). Before any weight is read it checks the config (docs/format.md#config-rules),
+the safetensors headers and `codec.pth`.
 """
 
 from __future__ import annotations
 
-import inspect
 import math
 import os
 from dataclasses import dataclass
@@ -16,31 +16,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
 from transformers import DynamicCache, PreTrainedModel
-from transformers.conversion_mapping import get_model_conversion_mapping
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 from transformers.utils import ModelOutput
 
-from .checkpoint_mapping import (
-    CODEC_PREFIX,
-    Drama3CheckpointError,
-    check_checkpoint_tensors,
-    checkpoint_shards,
-    expected_checkpoint_tensors,
-)
+from . import compat
+from .checkpoint_location import checkpoint_directory
+from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, expected_checkpoint_tensors
+from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
 from .configuration_drama3 import FishOmniConfig
-from .device_placement import execution_device, pin_codec_to_main_device, warn_about_codec_entries
+from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
-from .modeling_codec import FishDACCodec, FishDACLoadError, load_codec_state_dict
+from .modeling_codec import FishDACCodec
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .parallel import ParallelRequest
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
-CODEC_FILE = "codec.pth"
 IGNORE_INDEX = -100
-# transformers >= 5.24 names the backbone's cache argument `cache`; 5.17 calls it `past_key_values`.
-_BACKBONE_CACHE_ARG = "cache" if "cache" in inspect.signature(Qwen3_5MoeTextModel.forward).parameters else "past_key_values"
 
 
 @dataclass
@@ -88,8 +80,6 @@ class FishOmniPreTrainedModel(PreTrainedModel):
     _skip_keys_device_placement = ["cache", "tower_cache", "past_key_values"]
     # accelerate keeps each of these on one device: a backbone layer, the whole tower, the whole codec.
     _no_split_modules = ["Qwen3_5MoeDecoderLayer", "Drama3CodebookTower", "FishDACCodec"]
-    # The codec's weights come from codec.pth, not from the safetensors files.
-    _keys_to_ignore_on_load_missing = [r"^codec\."]
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -105,13 +95,15 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
     `tower` (the 13-layer codebook tower) and `codec` (the Fish DAC codec, float32 by default).
     """
 
-    def __init__(self, config: FishOmniConfig):
+    def __init__(self, config: FishOmniConfig, with_codec: bool = True):
         super().__init__(config)
         text = config.text_config
         self.backbone = Qwen3_5MoeTextModel(text)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tower = Drama3CodebookTower(config.audio_decoder_config, config.semantic_start_token_id)
-        self.codec = FishDACCodec(config.codec_config)
+        # `with_codec=False` is how `from_pretrained` builds the model: the codec comes from codec.pth afterwards, so
+        # that transformers' loading, device maps and quantization never meet it (see `codec_file`).
+        self.codec = FishDACCodec(config.codec_config) if with_codec else None
         self.post_init()
         self._init_generation_config()  # after post_init, which makes the generation config from the model config
 
@@ -311,7 +303,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=cache is not None,
-            **{_BACKBONE_CACHE_ARG: cache},
+            **{compat.backbone_cache_argument(): cache},
         )
         return out.last_hidden_state
 
@@ -432,15 +424,19 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         Hub repository id).
 
         Accepts every keyword of `PreTrainedModel.from_pretrained`: `dtype`; `device_map` (`"auto"` or a dict),
-        `max_memory` and `offload_folder` for offloading (the codec always stays whole on the main device, see
-        `device_placement`); `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit dense linears (tower,
-        lm_head and codec stay in full precision unless `llm_int8_skip_modules` says otherwise; the FP8 experts are
-        dequantised); under `torchrun`, `tp_plan="auto"` or `distributed_config=parallel.distributed_config(...)`
-        for tensor or expert parallelism (`transformers_drama3.parallel`). The codec is loaded from `codec.pth` in
-        float32 whatever `dtype` is; `model.codec.to(...)` changes that. See docs/hardware.md.
+        `max_memory` and `offload_folder` for offloading; `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit
+        dense linears (tower and lm_head stay in full precision unless `llm_int8_skip_modules` says otherwise; the
+        FP8 experts are dequantised); `attn_implementation`; under `torchrun`, `tp_plan="auto"` or
+        `distributed_config=parallel.distributed_config(...)` for tensor or expert parallelism
+        (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec comes from
+        `codec.pth`, whole, in float32 whatever `dtype` is, on the device where the model takes its inputs or the one
+        `device_map` names for `"codec"` (never offloaded; `model.codec.to(...)` changes device or dtype afterwards).
+        Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32 (`default_dtype`),
+        elsewhere in the checkpoint's bfloat16. See docs/loading.md and docs/hardware.md.
         """
         parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
+        default_dtype(kwargs)
         config = kwargs.pop("config", None)
         if config is None:
             config = FishOmniConfig.from_pretrained(directory)
@@ -448,45 +444,34 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             raise TypeError(f"`config` must be a FishOmniConfig, got {type(config).__name__}")
         if parallel is not None:
             kwargs.update(parallel.load_kwargs(config))
-        codec_path = os.path.join(directory, CODEC_FILE)
-        if not os.path.isfile(codec_path):
-            raise Drama3CheckpointError(f"checkpoint {directory!r} has no {CODEC_FILE} (the audio codec's weights)")
+        codec_state = read_codec_file(directory, config.codec_config)
+        kwargs["device_map"], codec_device = take_codec_placement(kwargs.get("device_map"))
         with torch.device("meta"):
-            skeleton = cls(config)
+            skeleton = cls(config, with_codec=False)
         shards = checkpoint_shards(directory)
         fp8_experts = checkpoint_quant_method(config) == BSGEMM_MOE
         check_checkpoint_tensors(shards, expected_checkpoint_tensors(skeleton, shards, fp8_experts))
-        codec_state = load_codec_state_dict(codec_path)
-        if isinstance(kwargs.get("device_map"), dict):
-            kwargs["device_map"] = dict(kwargs["device_map"])  # the codec gets pinned in it: leave the caller's alone
-            warn_about_codec_entries(kwargs["device_map"])
         if kwargs.get("quantization_config") is not None:
             config, kwargs["quantization_config"] = prepare_quantization(config, kwargs["quantization_config"])
 
-        loaded = super().from_pretrained(directory, *model_args, config=config, **kwargs)
-        model = loaded[0] if isinstance(loaded, tuple) else loaded
-        model.codec.float()  # before loading: float32 weights must not pass through the model's dtype
-        load_codec_weights(model.codec, codec_state)
+        loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
+        attach_codec(loaded[0] if isinstance(loaded, tuple) else loaded, codec_state, codec_device)
         return loaded
 
-    @staticmethod
-    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
-        """transformers' weight loading, with the codec pinned to the main device of the device map first and the
-        dequantised weights brought to the requested dtype afterwards.
+    if compat.dequantised_weights_keep_checkpoint_dtype():
 
-        The device map is final here (`"auto"` already resolved) and `from_pretrained` dispatches the model with
-        this same dict afterwards, so pinning it in place covers both (see `device_placement`). The weights are
-        loaded but not yet dispatched, so the dtype fix also reaches weights that accelerate then keeps in RAM.
-        """
-        device_map = load_config.device_map
-        # A tensor/expert-parallel rank (a device mesh) gets `{"": its device}`, all in memory: nothing to pin.
-        if isinstance(device_map, dict) and load_config.device_mesh is None:
-            pin_codec_to_main_device(device_map, [name for name, _ in model.named_children()])
-        loaded = PreTrainedModel._load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-        quantizer = load_config.hf_quantizer
-        if quantizer is not None and quantizer.pre_quantized and getattr(quantizer.quantization_config, "dequantize", False):
-            cast_dequantised_checkpoint(model, load_config.dtype)
-        return loaded
+        @staticmethod
+        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+            """transformers' weight loading, then the dequantised weights brought to the requested dtype
+            (`compat.cast_dequantised_weights`; only on transformers versions that need it).
+
+            This is the one step between loading and accelerate's dispatch, so the fix also reaches weights that
+            accelerate then keeps in RAM."""
+            loaded = PreTrainedModel._load_pretrained_model(
+                model, state_dict, checkpoint_files, load_config, *args, **kwargs
+            )
+            compat.cast_dequantised_weights(model, load_config)
+            return loaded
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
         """Save a checkpoint that `from_pretrained` loads without any flag.
@@ -494,7 +479,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         Layout: config.json; safetensors with the backbone, lm_head and tower under their **original** names, the
         routed experts one tensor per expert, all in the model's dtype (a dequantised FP8 checkpoint is saved
         dequantised, with no quantization_config); `codec.pth` holding the codec's folded state dict
-        (`model.codec.state_dict()`). The tokenizer belongs to the processor: `processor.save_pretrained(...)`.
+        (`codec_file.write_codec_file`). The tokenizer belongs to the processor: `processor.save_pretrained(...)`.
         `save_original_format=False` writes module names (`backbone.*`, fused experts) instead; that loads too.
         """
         fp8 = [name for name, parameter in self.named_parameters() if parameter.dtype == torch.float8_e4m3fn]
@@ -504,16 +489,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
                 "`quantization_config=BsgemmMoeConfig(dequantize=True)` to save a dequantised copy, or keep using the "
                 "original checkpoint"
             )
-        if state_dict is None:
-            state_dict = self.state_dict()
-        state_dict = {name: tensor for name, tensor in state_dict.items() if not name.startswith(CODEC_PREFIX)}
-        # The conversions recorded while loading may include the FP8 dequantisation, which transformers 5.17 cannot
-        # reverse ("Undefined Operation encountered!") and newer versions reverse by re-quantising to FP8. The
-        # model's plain mapping writes the weights as they are, under their original names.
-        self._weight_conversions = get_model_conversion_mapping(self, add_legacy=False)
+        state_dict = without_codec(self.state_dict() if state_dict is None else state_dict)
         super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
         if is_main_process:
-            torch.save(self.codec.state_dict(), os.path.join(save_directory, CODEC_FILE))
+            write_codec_file(self.codec, save_directory)
 
 
 def _mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -522,59 +501,24 @@ def _mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Ten
     return losses / (target != IGNORE_INDEX).sum().clamp(min=1)
 
 
-def cast_dequantised_checkpoint(model: FishOmniForSpeech, dtype: torch.dtype | None) -> None:
-    """Give every loaded floating-point weight (codec aside) `dtype`, after a dequantising FP8 load.
-
-    transformers 5.17 keeps every *renamed* weight of a pre-quantized checkpoint in the checkpoint's dtype (bf16)
-    whatever `dtype` asks, so a float32 load came out mostly bf16; newer versions already agree (nothing to do).
-    After dequantisation no weight is quantized, so all of them take `dtype`. Weights already offloaded to disk
-    (meta) were written with the right dtype by transformers. A tensor-parallel shard (a `DTensor`) becomes a new
-    parameter (`.data =` would relabel its dtype without converting its local tensor), marked as loaded the way
-    transformers' loader marks it, or transformers would re-initialise it as a weight it never loaded.
-    """
-    if dtype is None:
-        return
-    for name, parameter in list(model.named_parameters()):
-        if name.startswith(CODEC_PREFIX) or not parameter.is_floating_point() or parameter.is_meta:
-            continue
-        if isinstance(parameter, DTensor):
-            if parameter.dtype == dtype:
-                continue
-            converted = nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
-            converted._is_hf_initialized = True
-            module_name, _, parameter_name = name.rpartition(".")
-            setattr(model.get_submodule(module_name), parameter_name, converted)
-        else:
-            parameter.data = parameter.data.to(dtype)
-
-
-def load_codec_weights(codec: FishDACCodec, state_dict: dict[str, torch.Tensor]) -> None:
-    """Load a `codec.pth` state dict in either layout into `codec`.
-
-    The original layout (SPEC 8.5: weight norm and VQ output projections unfolded) goes through
-    `load_original_state_dict`; the folded one that `save_pretrained` writes (`codec.state_dict()`) is recognised by
-    its VQ lookup tables (`*.table`, absent from the original layout) and loaded strictly as it is.
-    """
-    if not any(key.endswith(".table") for key in state_dict):
-        codec.load_original_state_dict(state_dict)
-        return
-    try:
-        codec.load_state_dict(state_dict)
-    except RuntimeError as error:
-        raise FishDACLoadError(
-            f"{CODEC_FILE} holds a folded codec state dict that does not match the codec config: {error}"
-        ) from error
-
-
 def _local_checkpoint_directory(name_or_path: str | os.PathLike, kwargs: dict) -> str:
     """A local directory holding the whole checkpoint; Hub repository ids are downloaded first."""
-    name_or_path = str(name_or_path)
-    if os.path.isdir(name_or_path):
-        return name_or_path
-    from huggingface_hub import snapshot_download
-
     hub_kwargs = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
-    return snapshot_download(name_or_path, **hub_kwargs)
+    return checkpoint_directory(name_or_path, **hub_kwargs)
+
+
+def default_dtype(kwargs: dict) -> None:
+    """Without a `dtype` (or with `"auto"`) on a machine with no GPU, load in float32 instead of the checkpoint's
+    bfloat16: most CPUs compute bfloat16 slowly, and its rounding makes a greedy batch differ from greedy single
+    runs. With a GPU (even when loading to the CPU first, to move the model later) the checkpoint's dtype stays.
+    docs/usage.md#loading."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype not in (None, "auto") or torch.cuda.is_available() or torch.xpu.is_available():
+        return
+    if torch.backends.mps.is_available():
+        return
+    kwargs.pop("torch_dtype", None)
+    kwargs["dtype"] = torch.float32
 
 
 __all__ = ["Drama3SpeechOutput", "FishOmniForSpeech", "FishOmniPreTrainedModel"]

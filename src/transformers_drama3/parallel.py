@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -33,6 +33,7 @@ import torch.distributed as dist
 from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
+from . import compat
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method
 
 logger = logging.get_logger(__name__)
@@ -44,7 +45,6 @@ FP8_BLOCK = 128  # the FP8 checkpoint's experts carry one scale per 128 x 128 bl
 # *instead of* the tensor plan (dense layers whole on every rank); newer versions take `ep_size` and run both plans
 # (dense layers split as in tensor parallelism, experts whole per rank). A `tp_plan` dict replaces the whole plan on
 # 5.17 and overrides single rules on newer versions, where the no-op style "replicate" keeps a module whole.
-EXPERT_PARALLEL_BY_SIZE = "ep_size" in {field.name for field in fields(DistributedConfig)}
 PARALLEL_ARGUMENTS = ("tp_plan", "tp_size", "distributed_config")
 
 
@@ -128,10 +128,8 @@ def distributed_config(expert_parallel: bool = False, size: int | None = None) -
     Pass it as `FishOmniForSpeech.from_pretrained(path, distributed_config=...)`.
     """
     size = world_size() if size is None else size
-    if expert_parallel and EXPERT_PARALLEL_BY_SIZE:
-        return DistributedConfig(tp_size=size, tp_plan="auto", ep_size=size)
     if expert_parallel:
-        return DistributedConfig(tp_size=size, tp_plan="auto", enable_expert_parallel=True)
+        return DistributedConfig(tp_size=size, tp_plan="auto", **compat.expert_parallel_arguments(size))
     return DistributedConfig(tp_size=size, tp_plan="auto")
 
 
@@ -172,10 +170,10 @@ def is_split(parameter_name: str, config, size: int, expert_parallel: bool) -> b
         rules = expert_parallel_plan(text)
         if rules.get(generic, rules.get(module)) in SPLITTING_STYLES:
             return True
-        if not EXPERT_PARALLEL_BY_SIZE:
+        if not compat.expert_parallel_by_size():
             return False  # 5.17: the expert plan alone
     rules = tensor_parallel_plan(text, size)
-    if EXPERT_PARALLEL_BY_SIZE:  # newer versions also split the backbone's input embedding by vocabulary rows
+    if compat.expert_parallel_by_size():  # newer versions also split the backbone's input embedding by vocabulary rows
         rules[BACKBONE_PREFIX + "embed_tokens"] = "embedding_rowwise"
     return rules.get(generic, rules.get(module)) in SPLITTING_STYLES
 
@@ -253,7 +251,7 @@ class ParallelRequest:
         splits = {"shared_expert_intermediate_size": text.shared_expert_intermediate_size}
         if not self.expert_parallel:
             splits["moe_intermediate_size"] = text.moe_intermediate_size
-        if self.expert_parallel and not EXPERT_PARALLEL_BY_SIZE:
+        if self.expert_parallel and not compat.expert_parallel_by_size():
             splits = {}  # transformers 5.17: the expert plan alone, dense layers whole
         alternative = "" if self.expert_parallel else ", or expert parallelism"
         for name, value in splits.items():
@@ -285,7 +283,7 @@ class ParallelRequest:
         """Check the model's sizes (`check`) and return `{"distributed_config": ...}` for transformers' loader."""
         self.check(config)
         text = config.text_config
-        dense_split = not (self.expert_parallel and not EXPERT_PARALLEL_BY_SIZE)  # 5.17's expert plan: dense whole
+        dense_split = not (self.expert_parallel and not compat.expert_parallel_by_size())  # 5.17's expert plan: dense whole
         plan = self.tp_plan or "auto"
         if dense_split and not attention_is_split(text, self.size):
             if is_main_process():
@@ -294,7 +292,7 @@ class ParallelRequest:
                     "full-attention layers stay whole on every rank, everything else in the backbone is split"
                 )
             plan = self._whole_attention_plan(text)
-        if self.expert_parallel and EXPERT_PARALLEL_BY_SIZE:
+        if self.expert_parallel and compat.expert_parallel_by_size():
             return {"distributed_config": DistributedConfig(tp_size=self.size, tp_plan=plan, ep_size=self.size)}
         if self.expert_parallel:
             return {"distributed_config": DistributedConfig(tp_size=self.size, tp_plan=plan, enable_expert_parallel=True)}
@@ -303,7 +301,7 @@ class ParallelRequest:
     def _whole_attention_plan(self, text_config) -> dict[str, str]:
         """The plan (the caller's, else the model's) with the full-attention layers whole, written as each
         transformers version reads a dict plan."""
-        if EXPERT_PARALLEL_BY_SIZE:  # rules override the model's plan one by one: mark attention "replicate"
+        if compat.expert_parallel_by_size():  # rules override the model's plan one by one: mark attention "replicate"
             rules = {BACKBONE_PREFIX + key for key in text_config.base_model_tp_plan if ATTENTION_RULE in key}
             return {**dict.fromkeys(rules, "replicate"), **(self.tp_plan or {})}
         return self.tp_plan or tensor_parallel_plan(text_config, self.size)  # 5.17: the dict is the whole plan

@@ -1,6 +1,6 @@
 """Drama3Processor: text (+ voice references) -> Drama 3 prompt frame rows, and frames -> audio files.
 
-The prompt follows `reference-bracket-v1` (SPEC 3). Every literal segment is tokenized on its own, without
+The prompt follows `reference-bracket-v1` (docs/processor.md). Every literal segment is tokenized on its own, without
 special-token insertion, because tokenizing the joined string changes ids at the seams. A prompt is a sequence
 of frame rows of width `1 + num_codebooks`: a text row is `[token_id, 0, ..., 0]`, an audio row is
 `[semantic_start + c0, c0, ..., c9]`.
@@ -9,8 +9,10 @@ Caller text (the text to speak, reference transcripts, history turns) can never 
 than a valid speaker tag `<|speaker:0|>`..`<|speaker:15|>`: such text is refused by a string check and the
 token ids of every caller segment are checked again after tokenization.
 
-Long text is split by `chunking.split_text` into chunks that each start with their speaker tag; a chunk is
-generated with earlier chunks as `history` turns. Audio files are read and written by `audio_io`.
+The texts and every reference of a request (its file header or array, its length) are checked before any audio is
+encoded, and the prompt's length (`max_prompt_rows`) before it reaches a model. Long text is split by
+`chunking.split_text` into chunks that each start with their speaker tag; a chunk is generated with earlier chunks
+as `history` turns. Audio files are read and written by `audio_io`.
 """
 
 from __future__ import annotations
@@ -26,18 +28,21 @@ import numpy as np
 import torch
 from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
+from transformers.utils import logging
 
-from .audio_io import audio_file_info, check_sampling_rate, read_audio_file, write_audio
+from .audio_io import audio_file_header, check_sampling_rate, read_audio_file, write_audio
 from .chunking import split_text
 from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from .voice import Drama3Voice
+
+logger = logging.get_logger(__name__)
 
 STRUCTURAL_TOKENS = ("<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>")
 SEMANTIC_PREFIX = "<|semantic:"
 SEMANTIC_START_TOKEN = "<|semantic:0|>"
 END_OF_SPEECH_TOKEN = "<|im_end|>"
 
-# Literal segments of reference-bracket-v1 (SPEC 3), in prompt order.
+# Literal segments of reference-bracket-v1 (docs/processor.md), in prompt order.
 SYSTEM_START = "<|im_start|>system\n"
 INSTRUCTION = "convert the provided text to speech"
 REFERENCE_INSTRUCTION = "convert the provided text to speech reference to the following:"
@@ -60,6 +65,8 @@ class Drama3Processor(ProcessorMixin):
         sampling_rate: sample rate of the codec's audio (44100), the default of `save_audio`.
         frame_length: audio samples per codec frame (2048); used for the reference length limit.
         max_reference_seconds: longest accepted reference (60 s, the serving limit); 10-30 s works best.
+        max_prompt_rows: longest accepted prompt, in frame rows (8192, the serving limit): references, history
+            and text together.
 
     Call it as `processor(text, references=None, history=None, codec=None, return_tensors="pt")`.
     """
@@ -71,12 +78,14 @@ class Drama3Processor(ProcessorMixin):
         sampling_rate: int = 44100,
         frame_length: int = 2048,
         max_reference_seconds: float = 60.0,
+        max_prompt_rows: int = 8192,
     ):
         super().__init__(tokenizer)
         self.num_codebooks = num_codebooks
         self.sampling_rate = sampling_rate
         self.frame_length = frame_length
         self.max_reference_seconds = max_reference_seconds
+        self.max_prompt_rows = max_prompt_rows
         self._read_token_ids()
 
     def _read_token_ids(self) -> None:
@@ -162,12 +171,34 @@ class Drama3Processor(ProcessorMixin):
         codec: Any = None,
     ) -> torch.Tensor:
         """Prompt rows `[T, 1 + num_codebooks]` of one request (see `__call__` for the arguments)."""
-        return self._prompt_rows(text, self._as_list(references), list(history or ()), codec, index=None)
+        references, history = self._as_list(references), list(history or ())
+        self.check_request(text, references, history, codec)
+        return self._prompt_rows(text, references, history, codec, index=None)
 
-    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
-        """Rows `[T, 1 + K]` of one request; `index` is its place in a batch (None for a single text)."""
+    def check_request(self, text: str, references: Any = None, history: Sequence | None = None, codec: Any = None,
+                      index: int | None = None) -> None:
+        """Raise a clear error for anything wrong with one request, without encoding audio or touching a model.
+
+        Checks the text, every reference (`check_reference`: file headers or arrays, lengths) and history turn, and
+        that a codec is given when a reference is audio. `index` is the request's place in a batch (for messages).
+        """
         at = "" if index is None else f"[{index}]"
         self.check_text(text, f"text{at}")
+        references = self._as_list(references)
+        for n, reference in enumerate(references):
+            self.check_reference(reference, f"references{at}[{n}]")
+        for n, turn in enumerate(history or ()):
+            self._resolve_history_turn(turn, f"history{at}[{n}]")
+        audio = [n for n, ref in enumerate(references) if isinstance(ref, Mapping) and ref.get("audio") is not None]
+        if audio and codec is None:
+            raise ValueError(
+                f"references{at}[{audio[0]}]: turning reference audio into codes needs the codec: pass "
+                f"codec=model.codec, or give precomputed 'codes' or a saved Drama3Voice instead of audio"
+            )
+
+    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
+        """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
+        at = "" if index is None else f"[{index}]"
         parts = [self._resolve_reference(ref, codec, f"references{at}[{n}]") for n, ref in enumerate(references)]
         turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
         instruction = REFERENCE_INSTRUCTION if parts else INSTRUCTION
@@ -182,7 +213,14 @@ class Drama3Processor(ProcessorMixin):
             rows.append(self._literal_rows(TURN_END))
         rows += [self._literal_rows(USER_START), self._caller_rows(tag_text(text), f"text{at}")]
         rows += [self._literal_rows(TURN_END), self._literal_rows(VOICE_START)]
-        return torch.cat(rows)  # [T, 1 + K]
+        prompt = torch.cat(rows)  # [T, 1 + K]
+        if prompt.shape[0] > self.max_prompt_rows:
+            raise ValueError(
+                f"the prompt of text{at} has {prompt.shape[0]} rows; Drama 3 reads at most {self.max_prompt_rows} "
+                "(max_prompt_rows): shorten the text (synthesize splits long text into chunks) or use fewer or "
+                "shorter references"
+            )
+        return prompt
 
     def __call__(
         self,
@@ -202,7 +240,8 @@ class Drama3Processor(ProcessorMixin):
                 dict with `"transcript"` and either `"codes"` (int `[10, frames]`) or `"audio"` (a file path, or a
                 float array `[samples]` / `[channels, samples]` with `"sampling_rate"`).
             history: earlier turns, each `(text, codes [10, frames])`, a dict with `"text"` and `"codes"`, or a
-                `Drama3Voice`; inserted after the system turn (SPEC 9). For a batch: one list per text.
+                `Drama3Voice`; inserted after the system turn (docs/format.md#long-text). For a batch: one list
+                per text.
             codec: the model's codec (`model.codec`), needed only for references given as audio.
             return_tensors: `"pt"` or `"np"`.
 
@@ -216,6 +255,8 @@ class Drama3Processor(ProcessorMixin):
         batch_references = self._per_text(references, text, "references", self._as_list)
         batch_history = self._per_text(history, text, "history", lambda turns: list(turns or ()))
         single = isinstance(text, str)
+        for index, (item, refs, turns) in enumerate(zip(texts, batch_references, batch_history)):
+            self.check_request(item, refs, turns, codec, index=None if single else index)
         prompts = [
             self._prompt_rows(item, refs, turns, codec, index=None if single else index)
             for index, (item, refs, turns) in enumerate(zip(texts, batch_references, batch_history))
@@ -272,11 +313,17 @@ class Drama3Processor(ProcessorMixin):
 
     # -- references and history ------------------------------------------------------------------------------
 
-    def _resolve_reference(self, reference: Any, codec: Any, where: str) -> tuple[str, torch.Tensor]:
-        """A reference as `(transcript, codes [K, frames])`, encoding audio through the codec when needed."""
+    def check_reference(self, reference: Any, where: str = "reference") -> None:
+        """Raise a clear error for a reference that cannot be used, without encoding it (no codec needed).
+
+        Checks its form, its transcript (`check_text`), its codes (`check_codes`) or its audio: a file must exist,
+        be readable audio with samples and last at most `max_reference_seconds` (only its header is read); an array
+        must be float `[samples]` or `[channels, samples]`, finite, with a valid `sampling_rate`, and not too long.
+        """
         if isinstance(reference, Drama3Voice):
             self.check_text(reference.transcript, f"{where}.transcript")
-            return reference.transcript, self.check_codes(reference.codes, f"{where}.codes", reference=True)
+            self.check_codes(reference.codes, f"{where}.codes", reference=True)
+            return
         if not isinstance(reference, Mapping):
             raise TypeError(
                 f"{where} must be a Drama3Voice or a dict with 'transcript' and 'codes' or 'audio'; "
@@ -294,14 +341,23 @@ class Drama3Processor(ProcessorMixin):
         if has_codes and has_audio:
             raise ValueError(f"{where} has both 'codes' and 'audio'; give one of them")
         if has_codes:
+            self.check_codes(reference["codes"], f"{where}.codes", reference=True)
+        elif has_audio:
+            self.check_audio(reference["audio"], reference.get("sampling_rate"), where)
+        else:
+            raise ValueError(
+                f"{where} has a transcript but no 'audio' or 'codes': give the reference audio (a file path, or an "
+                f"array with 'sampling_rate'), its codes [{self.num_codebooks}, frames], or use a saved Drama3Voice"
+            )
+
+    def _resolve_reference(self, reference: Any, codec: Any, where: str) -> tuple[str, torch.Tensor]:
+        """A checked reference as `(transcript, codes [K, frames])`, encoding audio through the codec when needed."""
+        if isinstance(reference, Drama3Voice):
+            return reference.transcript, self.check_codes(reference.codes, f"{where}.codes", reference=True)
+        if reference.get("codes") is not None:
             return reference["transcript"], self.check_codes(reference["codes"], f"{where}.codes", reference=True)
-        if has_audio:
-            codes = self.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
-            return reference["transcript"], codes
-        raise ValueError(
-            f"{where} has a transcript but no 'audio' or 'codes': give the reference audio (a file path, or an array "
-            f"with 'sampling_rate'), its codes [{self.num_codebooks}, frames], or use a saved Drama3Voice"
-        )
+        codes = self.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
+        return reference["transcript"], codes
 
     def _resolve_history_turn(self, turn: Any, where: str) -> tuple[str, torch.Tensor]:
         """A history turn as `(text, codes [K, frames])`."""
@@ -360,24 +416,37 @@ class Drama3Processor(ProcessorMixin):
         """Reference audio -> codes `[num_codebooks, frames]` through `codec.encode`.
 
         `audio` is a file path (read with soundfile) or a float array / tensor `[samples]` or `[channels, samples]`
-        with `sampling_rate`. Channels are averaged to mono here; the codec resamples to 44.1 kHz and clamps.
+        with `sampling_rate`. Channels are averaged to mono here and the codec resamples to its 44.1 kHz; a warning
+        says so when that happens to a recording with several channels or a lower rate.
         """
         if codec is None:
             raise ValueError(
                 f"{where}: turning reference audio into codes needs the codec: pass codec=model.codec, or give "
                 f"precomputed 'codes' or a saved Drama3Voice instead of audio"
             )
-        samples, sampling_rate = self._mono_audio(audio, sampling_rate, where)  # [L]
+        self.check_audio(audio, sampling_rate, where)
+        samples, sampling_rate, channels = self._mono_audio(audio, sampling_rate, where)  # [L]
+        self._say_conversion(channels, sampling_rate, where)
         with torch.inference_mode():
             codes = codec.encode(torch.from_numpy(samples)[None], sampling_rate)  # [1, K, frames]
         if not isinstance(codes, torch.Tensor) or codes.ndim != 3 or codes.shape[0] != 1:
             raise RuntimeError(f"codec.encode must return codes [1, {self.num_codebooks}, frames]; got {codes!r:.80}")
         return self.check_codes(codes[0].cpu(), f"{where} (encoded)")
 
-    def _mono_audio(self, audio: Any, sampling_rate: int | None, where: str) -> tuple[np.ndarray, int]:
-        """Float32 mono samples `[L]` and their rate, refusing audio over `max_reference_seconds`."""
+    def check_audio(self, audio: Any, sampling_rate: int | None = None, where: str = "audio") -> None:
+        """Raise a clear error for reference audio that cannot be encoded (see `check_reference`); a file's samples
+        are not read, only its header."""
         if isinstance(audio, (str, os.PathLike)):
-            return self._read_audio_file(audio, sampling_rate, where)
+            info = audio_file_header(audio, where)
+            if sampling_rate is not None and sampling_rate != info.samplerate:
+                raise ValueError(
+                    f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {info.samplerate} Hz; "
+                    "leave it out"
+                )
+            if info.frames == 0:
+                raise ValueError(f"{where}: audio file {str(audio)!r} holds no samples")
+            self._check_duration(info.frames, info.samplerate, where)
+            return
         if sampling_rate is None:
             raise ValueError(f"{where}: an audio array needs its 'sampling_rate'")
         sampling_rate = check_sampling_rate(sampling_rate, where)
@@ -395,20 +464,31 @@ class Drama3Processor(ProcessorMixin):
         self._check_duration(samples.shape[-1], sampling_rate, where)
         if not np.isfinite(samples).all():
             raise ValueError(f"{where}: audio contains NaN or infinite values")
-        mono = samples if samples.ndim == 1 else samples.mean(axis=0)
-        return np.ascontiguousarray(mono, dtype=np.float32), sampling_rate
 
-    def _read_audio_file(
-        self, path: str | os.PathLike, sampling_rate: int | None, where: str
-    ) -> tuple[np.ndarray, int]:
-        """Read an audio file as float32 mono `[L]`; its length is checked before the samples are read."""
-        frames, file_rate = audio_file_info(path, where)
-        if sampling_rate is not None and sampling_rate != file_rate:
-            raise ValueError(
-                f"{where}: 'sampling_rate' {sampling_rate} differs from the file's {file_rate} Hz; leave it out"
+    def _mono_audio(self, audio: Any, sampling_rate: int | None, where: str) -> tuple[np.ndarray, int, int]:
+        """Float32 mono samples `[L]` of checked audio, their rate, and the number of channels they were mixed from."""
+        if isinstance(audio, (str, os.PathLike)):
+            channels = audio_file_header(audio, where).channels
+            samples, sampling_rate = read_audio_file(audio, where)
+            return samples, sampling_rate, channels
+        samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
+        channels = 1 if samples.ndim == 1 else samples.shape[0]
+        mono = samples if samples.ndim == 1 else samples.mean(axis=0)
+        return np.ascontiguousarray(mono, dtype=np.float32), int(sampling_rate), channels
+
+    def _say_conversion(self, channels: int, sampling_rate: int, where: str) -> None:
+        """Warn when reference audio is mixed down or comes at a lower rate than the codec's."""
+        changes = []
+        if channels > 1:
+            changes.append(f"its {channels} channels are averaged to mono")
+        if sampling_rate < self.sampling_rate:
+            changes.append(
+                f"its {sampling_rate} Hz are resampled to {self.sampling_rate} Hz, which cannot restore the high "
+                "frequencies it lacks (the cloned voice may sound muffled: use a recording of 44.1 kHz or more if "
+                "you have one)"
             )
-        self._check_duration(frames, file_rate, where)
-        return read_audio_file(path, where)
+        if changes:
+            logger.warning(f"{where}: {'; '.join(changes)}.")
 
     def create_voice(
         self,
@@ -472,6 +552,20 @@ class Drama3Processor(ProcessorMixin):
         to [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
         """
         return write_audio(path, audio, self.sampling_rate if sampling_rate is None else sampling_rate)
+
+
+def left_pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of frame rows padded on either side with any pad values -> the processor's layout: each sequence's
+    rows at the end, all-zero pad rows in front (`input_ids [B, T, 1 + K]`, `attention_mask [B, T]`).
+
+    transformers' pipeline collator pads a batch on its tokenizer's side and fills pad rows with the tokenizer's pad
+    id in every column; Drama 3's generation reads left-padded batches with all-zero pad rows.
+    """
+    mask = attention_mask.bool()  # [B, T]
+    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices  # pad rows first, each group in order
+    rows = input_ids.gather(1, order[..., None].expand_as(input_ids))  # [B, T, 1 + K]
+    mask = mask.gather(1, order)
+    return rows * mask[..., None], mask.to(attention_mask.dtype)
 
 
 def _excerpt(text: str, start: int) -> str:

@@ -1,4 +1,4 @@
-"""The `bsgemm-moe` quantization method of Drama 3 checkpoints (SPEC 2.3), made known to transformers.
+"""The `bsgemm-moe` quantization method of Drama 3 checkpoints, made known to transformers (docs/format.md#fp8-experts).
 
 Only the routed experts are FP8 (`float8_e4m3fn` with float32 `weight_scale_inv` per 128 x 128 block), exactly the
 layout of transformers' fine-grained FP8 method. transformers silently ignores an unknown `quant_method` and would
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 
+import torch
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -31,16 +32,16 @@ from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQu
 from transformers.utils import logging
 from transformers.utils.quantization_config import BitsAndBytesConfig, FineGrainedFP8Config
 
-from .checkpoint_mapping import CODEC_MODULE
+from . import compat
 
 logger = logging.get_logger(__name__)
 
 BSGEMM_MOE = "bsgemm-moe"
 NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
 # Kept in full precision by bitsandbytes unless the user passes `llm_int8_skip_modules`: the codebook tower and
-# lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB) and
-# the codec (loaded from codec.pth after quantization, so it must stay a plain module).
-BNB_SKIP_MODULES = ["lm_head", "tower", CODEC_MODULE]
+# lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB). The
+# codec is never quantised: it joins the model after loading (see `codec_file`).
+BNB_SKIP_MODULES = ["lm_head", "tower"]
 
 
 class BsgemmMoeConfig(FineGrainedFP8Config):
@@ -62,6 +63,13 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         return []
 
     def validate_environment(self, *args, **kwargs):
+        # Without a GPU the FP8 experts are dequantised, and said so in `update_dtype`, which knows the dtype they
+        # get (transformers' own message would say "bf16" whatever the load's dtype is).
+        self.dequantising_without_gpu = self.pre_quantized and not self.quantization_config.dequantize and not (
+            torch.cuda.is_available() or torch.xpu.is_available()
+        )
+        if self.dequantising_without_gpu:
+            self.quantization_config.dequantize = True
         super().validate_environment(*args, **kwargs)
         if self.pre_quantized and not self.quantization_config.dequantize:
             reason = fp8_kernel_problem()
@@ -71,6 +79,22 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
                     "to the model dtype instead (same results, about twice the expert memory)."
                 )
                 self.quantization_config.dequantize = True
+
+    def remove_quantization_config(self, model):
+        # Runs once the experts are dequantised: the model is no longer quantised, so `save_pretrained` must write
+        # the weights as they are (compat: transformers 5.17 would try to reverse the dequantisation).
+        super().remove_quantization_config(model)
+        compat.forget_loading_conversions(model)
+
+    def update_dtype(self, dtype):
+        dtype = super().update_dtype(dtype)
+        if getattr(self, "dequantising_without_gpu", False):
+            logger.warning_once(
+                f"bsgemm-moe: there is no GPU, so the checkpoint's FP8 routed experts are dequantised to "
+                f"{str(dtype).removeprefix('torch.')} while loading (the same weights at full precision: "
+                f"{torch.finfo(dtype).bits // 8} bytes each instead of 1)."
+            )
+        return dtype
 
     def _process_model_before_weight_loading(self, model, **kwargs):
         # Everything outside the routed experts is bf16 in the checkpoint and must stay a plain module. transformers
@@ -145,19 +169,14 @@ class Bnb4BitWithFp8Experts(_DequantisesFp8Experts, Bnb4BitHfQuantizer):
 
 
 def with_default_skip_modules(config: BitsAndBytesConfig) -> BitsAndBytesConfig:
-    """A copy of `config` whose `llm_int8_skip_modules` defaults to `BNB_SKIP_MODULES`, and always holds "codec".
+    """A copy of `config` whose `llm_int8_skip_modules` defaults to `BNB_SKIP_MODULES`.
 
     transformers' own default would quantise the tower (its list only protects the output embeddings and the last
-    parameter). A user's list replaces the default entirely (anchored name matching: "tower" covers "tower.*"),
-    except that the codec is always kept: its weights are copied in from codec.pth after loading, which a
-    bitsandbytes module would not take.
+    parameter). A user's list replaces the default entirely (anchored name matching: "tower" covers "tower.*").
     """
     config = copy.deepcopy(config)
-    skip = config.llm_int8_skip_modules
-    if skip is None:
+    if config.llm_int8_skip_modules is None:
         config.llm_int8_skip_modules = list(BNB_SKIP_MODULES)
-    elif CODEC_MODULE not in skip:
-        config.llm_int8_skip_modules = list(skip) + [CODEC_MODULE]
     return config
 
 

@@ -119,9 +119,10 @@ class FrameSampler:
 
     def __init__(self, settings):
         self.do_sample = settings.do_sample
+        # top-k 0 or None: no limit (transformers' convention for 0).
         self.main_processor = RepetitionAwareLogitsProcessor(
-            TopKTopPWarper(settings.temperature, settings.top_k, settings.top_p, keep_crossing=True),
-            TopKTopPWarper(settings.ras_temperature, settings.ras_top_k, settings.ras_top_p, keep_crossing=True),
+            TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
+            TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
             window=settings.ras_window,
         )
         codebook_top_k = min(settings.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP)

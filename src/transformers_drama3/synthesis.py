@@ -1,9 +1,10 @@
-"""Text of any length (and optional voice references) -> one continuous waveform (SPEC 9).
+"""Text of any length (and optional voice references) -> one continuous waveform (docs/usage.md#long-text-synthesize).
 
 `synthesize(model, processor, text)` splits the text with `processor.split_text`, generates the chunks one after
 another, each with the first chunk and the previous chunk (their text and generated codes) as history turns so the
 voice and pace carry over, and decodes all frames through one streaming codec decoder so the chunks join without
-a seam. Reference audio is encoded once, not once per chunk.
+a seam. Reference audio is encoded once, not once per chunk. The text and every reference are checked before
+anything is encoded or generated.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from .device_placement import execution_device
+from .generation_drama3 import request_generators
 from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 
@@ -60,20 +63,24 @@ class _ChunkStreamer(BaseStreamer):
 
 
 def encode_references(processor, references, codec) -> list:
-    """`references` as a list (None, one reference, or a list), with every audio reference encoded to codes.
+    """`references` as a list (None, one reference, or a list), checked, with every audio reference encoded to codes.
 
-    Audio references become `{"transcript", "codes"}` dicts, so a text split into many chunks pays one codec
-    encoding per reference; everything else (codes, `Drama3Voice`, malformed input) goes to the processor as is.
+    Every reference is checked (`processor.check_reference`) before the first is encoded. Audio references become
+    `{"transcript", "codes"}` dicts, so a text split into many chunks pays one codec encoding per reference.
     """
     if references is None:
         return []
     if isinstance(references, (Mapping, Drama3Voice)):
         references = [references]
+    if not isinstance(references, (list, tuple)):
+        raise TypeError(f"references must be a Drama3Voice, a dict or a list of them; got {type(references).__name__}")
+    for n, reference in enumerate(references):
+        processor.check_reference(reference, f"references[{n}]")
     return [_encoded(processor, reference, codec, f"references[{n}]") for n, reference in enumerate(references)]
 
 
 def _encoded(processor, reference, codec, where: str):
-    if not isinstance(reference, Mapping) or reference.get("audio") is None or reference.get("codes") is not None:
+    if not isinstance(reference, Mapping) or reference.get("audio") is None:
         return reference
     codes = processor.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
     rest = {key: value for key, value in reference.items() if key not in ("audio", "sampling_rate")}
@@ -81,7 +88,8 @@ def _encoded(processor, reference, codec, where: str):
 
 
 def history_turns(texts: list[str], codes: list[torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-    """History for the next chunk (SPEC 9): the first chunk and the previous one, skipping chunks without frames."""
+    """History for the next chunk: the first chunk and the previous one, skipping chunks without frames
+    (docs/format.md#long-text)."""
     done = list(zip(texts, codes))
     chosen = done[:1] + done[1:][-1:]
     return [(text, frames) for text, frames in chosen if frames.shape[1] > 0]
@@ -112,7 +120,8 @@ def synthesize(
         streamer: a `Drama3AudioStreamer` receives the audio of all chunks as one stream (it ends after the
             last chunk) and its chunks are the returned audio; any other `BaseStreamer` gets the codes of every
             frame (`[1, num_codebooks]`).
-        show_progress: a progress bar over chunks (and frames within a chunk).
+        show_progress: a progress bar: over the chunks, with the audio made so far, for text of several chunks; over
+            the frames of the one chunk otherwise.
         generate_kwargs: sampling settings for `model.generate` (`do_sample`, `temperature`, `top_p`,
             `max_new_tokens` per chunk, ...).
 
@@ -126,18 +135,20 @@ def synthesize(
         texts = processor.split_text(text, max_bytes=chunk_bytes, max_speakers=max_speakers)
         references = encode_references(processor, references, model.codec)
         device = model.input_device
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-        for chunk in tqdm(texts, unit="chunk", disable=not show_progress or len(texts) == 1):
+        generator = request_generators(seed, generator, 1, execution_device(model.lm_head))
+        frames_per_second = model.config.sampling_rate / model.config.codec_config.frame_length
+        chunks = tqdm(texts, unit="chunk", disable=not show_progress or len(texts) == 1)
+        for chunk in chunks:
             inputs = processor(chunk, references=references, history=history_turns(result.texts, result.codes))
             output = model.generate(
                 inputs["input_ids"].to(device), inputs["attention_mask"].to(device),
                 streamer=_ChunkStreamer(streams), generator=generator, output_audio=False,
-                show_progress=show_progress, **generate_kwargs,
+                show_progress=show_progress and len(texts) == 1, **generate_kwargs,
             )
             result.texts.append(chunk)
             result.codes.append(output.codes[0].cpu())
             result.finish_reasons.append(output.finish_reason[0])
+            chunks.set_postfix_str(f"{result.num_frames / frames_per_second:.1f} s of audio", refresh=False)
     finally:
         for stream in streams:
             stream.end()

@@ -155,7 +155,7 @@ def _random_original_tensors(config: FishOmniConfig, generator: torch.Generator)
     from .modeling_drama3 import FishOmniForSpeech
 
     with torch.device("meta"):
-        skeleton = FishOmniForSpeech(config)
+        skeleton = FishOmniForSpeech(config, with_codec=False)  # the codec goes to codec.pth
     fp8 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bsgemm-moe"
     shapes = expected_original_tensors(skeleton, fp8_experts=fp8)
     tensors = {}

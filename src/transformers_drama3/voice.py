@@ -24,7 +24,7 @@ VOICE_FORMAT = "drama3-voice"
 VOICE_FORMAT_VERSION = "1"
 
 
-@dataclass(eq=False)  # codes are a tensor: no elementwise-ambiguous __eq__
+@dataclass(eq=False, repr=False)  # codes are a tensor: no elementwise-ambiguous __eq__, no dump of all the codes
 class Drama3Voice:
     """A reusable voice: codec codes `[num_codebooks, frames]` and the transcript spoken in them.
 
@@ -48,6 +48,12 @@ class Drama3Voice:
         if self.name is not None and not isinstance(self.name, str):
             raise TypeError(f"Drama3Voice.name must be a string or None; got {type(self.name).__name__}")
         self.codes = codes.to(device="cpu", dtype=torch.long).contiguous()
+
+    def __repr__(self) -> str:
+        transcript = self.transcript if len(self.transcript) <= 60 else self.transcript[:57] + "..."
+        name = "" if self.name is None else f"name={self.name!r}, "
+        codes = f"[{self.codes.shape[0]}, {self.codes.shape[1]} frames]"
+        return f"Drama3Voice({name}transcript={transcript!r}, codes={codes})"
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write the voice to a safetensors file (atomically) and return its path."""

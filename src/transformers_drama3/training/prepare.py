@@ -37,8 +37,9 @@ from tqdm.auto import tqdm
 from ..audio_io import audio_file_info, read_audio_file, resample_audio, write_atomically
 from ..configuration_drama3 import FishOmniConfig
 from ..device_placement import execution_device
-from ..modeling_codec import FishDACCodec, load_codec_state_dict
-from ..modeling_drama3 import CODEC_FILE, IGNORE_INDEX, load_codec_weights
+from ..codec_file import CODEC_FILE, read_codec_file
+from ..modeling_codec import FishDACCodec
+from ..modeling_drama3 import IGNORE_INDEX
 from ..processing_drama3 import Drama3Processor
 from ..speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE
 from .recordings import Recording, SkippedClip, find_recordings
@@ -94,9 +95,8 @@ def load_codec_and_processor(model: str | os.PathLike, device: str | torch.devic
 
         directory = Path(snapshot_download(str(model), allow_patterns=["*.json", CODEC_FILE]))
     config = FishOmniConfig.from_pretrained(directory)
-    codec = FishDACCodec(config.codec_config)
-    load_codec_weights(codec, load_codec_state_dict(directory / CODEC_FILE))
-    codec = codec.eval().to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    codec = FishDACCodec.from_codec_state_dict(read_codec_file(str(directory), config.codec_config), config.codec_config)
+    codec = codec.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     processor = Drama3Processor.from_pretrained(directory)
     return codec, processor
 

@@ -1,0 +1,193 @@
+"""Differences between the transformers versions this package supports (5.17 to the newest 5.x), in one place.
+
+Each shim detects the feature it depends on, never a version number, so a version in between takes the branch that
+fits it; when the oldest supported version has the newer behaviour, the shim and its test in tests/test_compat.py go.
+The detections import what they inspect when first asked (and remember the answer), so that importing this module
+(the configuration does) stays as light as importing a transformers config.
+
+Shims (transformers 5.17 -> newer, measured on 5.24):
+
+- `backbone_cache_argument`: the backbone's cache keyword, `past_key_values` -> `cache`.
+- `sub_configs_declaration`: a composite config declares its sub-configs in `sub_configs` -> `sub_configs_defaults`
+  (from 5.20).
+- `dequantised_weights_keep_checkpoint_dtype`, `cast_dequantised_weights`: a dequantising FP8 load keeps renamed
+  weights in the checkpoint's dtype -> they get the requested dtype.
+- `forget_loading_conversions`: a dequantised model keeps its loading conversions, which `save_pretrained` cannot
+  reverse -> transformers drops them itself.
+- `enable_activation_checkpointing`, `disable_activation_checkpointing`, `checkpointing_training_arguments`:
+  `gradient_checkpointing*` only -> `activation_checkpointing*` (the old names warn).
+- `expert_parallel_by_size`, `expert_parallel_arguments`: `DistributedConfig(enable_expert_parallel=True)` ->
+  `DistributedConfig(ep_size=...)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import fields
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedConfig
+
+# --------------------------------------------------------------------------------------------------------------
+# Modeling
+# --------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def backbone_cache_argument() -> str:
+    """The keyword under which `Qwen3_5MoeTextModel.forward` takes its cache: `cache` on newer versions,
+    `past_key_values` on 5.17 (the backbone's output field follows the same name)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
+
+    return "cache" if "cache" in inspect.signature(Qwen3_5MoeTextModel.forward).parameters else "past_key_values"
+
+
+def sub_configs_declaration(mapping: dict[str, type]) -> dict[str, Any]:
+    """The class attribute that declares a composite config's sub-configs, as the installed transformers reads it:
+    `{"sub_configs_defaults": mapping}` from 5.20 on, `{"sub_configs": mapping}` before. Use it in the class body:
+    `locals().update(sub_configs_declaration({...}))`."""
+    if "sub_configs_defaults" in PreTrainedConfig.__dict__:
+        return {"sub_configs_defaults": mapping}
+    return {"sub_configs": mapping}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Loading and saving a pre-quantised (FP8) checkpoint that is dequantised while loading
+# --------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def dequantised_weights_keep_checkpoint_dtype() -> bool:
+    """Whether a load that dequantises a pre-quantised checkpoint leaves its renamed tensors in the checkpoint's dtype.
+
+    transformers 5.17 loads every *renamed* tensor of a pre-quantised checkpoint in the checkpoint's own dtype,
+    whatever `dtype` the load asks for: a float32 load of the (bf16 + FP8) Drama 3 checkpoint came out mostly bf16.
+    Newer versions decide each tensor's dtype through `HfQuantizer.get_new_dtype`, which gives plain weights the
+    requested dtype.
+    """
+    from transformers.quantizers.base import HfQuantizer
+
+    return not hasattr(HfQuantizer, "get_new_dtype")
+
+
+def cast_dequantised_weights(model: Any, load_config: Any) -> None:
+    """After a load that dequantised a pre-quantised checkpoint, give every floating-point weight the requested dtype
+    (`load_config.dtype`; nothing to do without one). Needed where `dequantised_weights_keep_checkpoint_dtype()`.
+
+    After dequantisation no weight is quantised any more, so all of them take that dtype. It must run before
+    accelerate dispatches the model, so that it also reaches weights that accelerate then keeps in RAM; weights
+    already offloaded to disk (meta) were written with the right dtype by transformers. A tensor-parallel shard (a
+    `DTensor`) becomes a new parameter (`.data =` would relabel its dtype without converting its local tensor), marked
+    as loaded the way transformers' loader marks it, or transformers would re-initialise it as a weight it never
+    loaded.
+    """
+    quantizer, dtype = load_config.hf_quantizer, load_config.dtype
+    dequantised = quantizer is not None and quantizer.pre_quantized and getattr(
+        quantizer.quantization_config, "dequantize", False
+    )
+    if not dequantised or dtype is None:
+        return
+    for name, parameter in list(model.named_parameters()):
+        if not parameter.is_floating_point() or parameter.is_meta or parameter.dtype == dtype:
+            continue
+        if isinstance(parameter, DTensor):
+            converted = torch.nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
+            converted._is_hf_initialized = True
+            module_name, _, parameter_name = name.rpartition(".")
+            setattr(model.get_submodule(module_name), parameter_name, converted)
+        else:
+            parameter.data = parameter.data.to(dtype)
+
+
+def forget_loading_conversions(model: Any) -> None:
+    """Drop the weight conversions a load recorded on `model`, so that `save_pretrained` reverses the model's plain
+    mapping (the registered renamings) instead.
+
+    Call it once a pre-quantised checkpoint has been dequantised: the recorded conversions then include the FP8
+    dequantisation, which transformers 5.17 cannot reverse (`save_pretrained` fails with "Undefined Operation
+    encountered!"). Newer versions drop them themselves when the dequantised model loses its quantization config.
+    """
+    if "_weight_conversions" in vars(model):
+        del model._weight_conversions
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Training and parallelism
+# --------------------------------------------------------------------------------------------------------------
+
+@functools.cache
+def activation_checkpointing_names() -> bool:
+    """Whether the model methods are `activation_checkpointing_enable/disable`: transformers 5.24 renamed gradient
+    checkpointing to activation checkpointing and warns on the old names; 5.17 has only `gradient_checkpointing_*`."""
+    from transformers import PreTrainedModel
+
+    return hasattr(PreTrainedModel, "activation_checkpointing_enable")
+
+
+def enable_activation_checkpointing(model: Any, checkpointing_kwargs: dict | None = None, **kwargs) -> None:
+    """Turn activation (gradient) checkpointing on under the name the installed transformers has.
+    `checkpointing_kwargs` go to `torch.utils.checkpoint` (transformers' `activation_checkpointing_kwargs`, formerly
+    `gradient_checkpointing_kwargs`); `kwargs` (`every_n_layers`, `offload`) are passed as they are."""
+    if activation_checkpointing_names():
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=checkpointing_kwargs, **kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing_kwargs, **kwargs)
+
+
+def disable_activation_checkpointing(model: Any) -> None:
+    """Turn activation (gradient) checkpointing off again."""
+    if activation_checkpointing_names():
+        model.activation_checkpointing_disable()
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def checkpointing_training_arguments(enabled: bool = True) -> dict[str, bool]:
+    """The `TrainingArguments` keyword that turns checkpointing on or off: `{"activation_checkpointing": enabled}`
+    where that field exists, else `{"gradient_checkpointing": enabled}`."""
+    from transformers import TrainingArguments  # here: the training machinery is not needed to run the model
+
+    new_name = "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+    return {"activation_checkpointing" if new_name else "gradient_checkpointing": enabled}
+
+
+@functools.cache
+def generation_defaults() -> dict[str, Any]:
+    """transformers' global generation defaults (`top_k=50`, `num_beams=1`, ...), which some versions fill into
+    every unset field of a generation config (the text-to-audio pipeline of 5.17 does): a value equal to its default
+    there was not chosen by the user. Read through `GenerationConfig._get_default_generation_params` (5.17 to 5.24);
+    an empty dict where that is gone (then every value counts as chosen)."""
+    from transformers import GenerationConfig
+
+    defaults = getattr(GenerationConfig(), "_get_default_generation_params", None)
+    return defaults() if defaults is not None else {}
+
+
+def expert_parallel_by_size() -> bool:
+    """Whether `DistributedConfig` takes the number of expert-parallel ranks (`ep_size`, newer versions); transformers
+    5.17 turns expert parallelism on with `enable_expert_parallel=True` instead (`ep_size` is a TypeError there)."""
+    from transformers.distributed import DistributedConfig
+
+    return "ep_size" in {field.name for field in fields(DistributedConfig)}
+
+
+def expert_parallel_arguments(size: int) -> dict[str, Any]:
+    """`DistributedConfig` keywords that split the routed experts over `size` ranks on the installed transformers."""
+    return {"ep_size": size} if expert_parallel_by_size() else {"enable_expert_parallel": True}
+
+
+__all__ = [
+    "activation_checkpointing_names",
+    "generation_defaults",
+    "backbone_cache_argument",
+    "cast_dequantised_weights",
+    "checkpointing_training_arguments",
+    "dequantised_weights_keep_checkpoint_dtype",
+    "disable_activation_checkpointing",
+    "enable_activation_checkpointing",
+    "expert_parallel_arguments",
+    "expert_parallel_by_size",
+    "forget_loading_conversions",
+    "sub_configs_declaration",
+]

@@ -1,0 +1,389 @@
+"""The FastAPI application of `drama3-serve`: OpenAI's speech endpoint and the server's own routes.
+
+    POST /v1/audio/speech   speech (OpenAI request + Drama 3 fields); wav/pcm stream, sse events, flac/mp3/opus
+    GET  /v1/models         the one model this process serves
+    GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
+    GET  /health            200 when the model is loaded, 503 while it loads (never needs the API key)
+    GET  /metrics           request and batching counters
+
+The model loads in the background after the server starts, so `/health` answers during a long load. Every request
+is checked completely (key, size, fields, text, voice, references, settings) before it is queued; errors are
+OpenAI-shaped JSON (errors.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import secrets
+import uuid
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..cli import load_model, resolve_device_and_dtype
+from ..generation_drama3 import generation_settings
+from ..processing_drama3 import Drama3Processor
+from .audio_encoding import (
+    ResponseFormat,
+    check_response_format,
+    encode_audio_file,
+    pcm16,
+    streamed_wav_header,
+)
+from .errors import APIError, body_too_large, install_error_handlers
+from .reference_audio import decode_base64_audio, read_audio_bytes
+from .schemas import SpeechRequest
+from .settings import ServerSettings
+from .voices import VoiceLibrary
+from .worker import GenerationWorker, JobDone, SpeechJob
+
+logger = logging.getLogger("transformers_drama3.serving")
+OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as `model`, so hard-wired clients work
+DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for audio checks that its client is still there
+PROTECTED_PREFIXES = ("/v1/", "/metrics")
+
+
+class StreamAborted(Exception):
+    """A streamed response failed after its headers were sent: the connection is closed without the final chunk,
+    so the client sees an incomplete body rather than a short but seemingly complete file."""
+
+
+@dataclass
+class SpeechService:
+    """What a loaded server holds: the model, its processor and the generation worker."""
+
+    model: object
+    processor: Drama3Processor
+    worker: GenerationWorker
+
+    @classmethod
+    def load(cls, settings: ServerSettings) -> SpeechService:
+        device, dtype = resolve_device_and_dtype(settings.device, settings.dtype)
+        logger.info("loading %s on %s (%s)", settings.model, device, str(dtype).removeprefix("torch."))
+        model = load_model(settings.model, device, dtype)
+        processor = Drama3Processor.from_pretrained(settings.model)
+        processor.max_reference_seconds = settings.max_reference_seconds
+        step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
+        worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
+                                  step_options=step_options, log_text=settings.log_text)
+        return cls(model, processor, worker)
+
+
+def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
+    """The server's FastAPI app. The model loads when the app starts; `on_load_failure(error)` is called if that
+    fails (the command line stops the server then)."""
+    voices = VoiceLibrary(settings.voices_dir)
+
+    async def load_and_serve() -> None:
+        try:
+            service = await asyncio.to_thread(SpeechService.load, settings)
+        except Exception as error:  # noqa: BLE001  (reported by /health and the log; the CLI exits)
+            logger.error("cannot load %s: %s", settings.model, error)
+            app.state.load_error = f"{type(error).__name__}: {error}"
+            if on_load_failure is not None:
+                on_load_failure(error)
+            return
+        app.state.service = service
+        logger.info("ready: serving %s as %r", settings.model, settings.model_name)
+        await service.worker.run()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        task = asyncio.create_task(load_and_serve())
+        yield
+        service = app.state.service
+        if service is not None:
+            service.worker.cancel_all()
+        task.cancel()
+        if service is not None:
+            await asyncio.to_thread(service.worker.shutdown)
+
+    app = FastAPI(title="Drama 3 speech server", lifespan=lifespan)
+    install_error_handlers(app, settings.max_body_bytes)
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
+    app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
+
+    def ready() -> SpeechService:
+        if app.state.service is None:
+            if app.state.load_error:
+                raise APIError(503, f"the model failed to load: {app.state.load_error}", code="model_unavailable")
+            raise APIError(503, "the model is still loading; GET /health answers 200 when it is ready",
+                           code="model_loading", headers={"Retry-After": "5"})
+        return app.state.service
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if app.state.service is not None:
+            return JSONResponse({"status": "ok", "model": settings.model_name})
+        status = "failed" if app.state.load_error else "loading"
+        return JSONResponse({"status": status, "model": settings.model_name, "error": app.state.load_error}, 503)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
+                                            "owned_by": "transformers-drama3"}]}
+
+    @app.get("/v1/voices")
+    async def list_voices() -> dict:
+        return {"object": "list", "data": [voices.describe(name) for name in voices.names()]}
+
+    @app.post("/v1/voices", status_code=201)
+    async def enrol_voice(request: Request) -> JSONResponse:
+        service = ready()
+        if voices.directory is None:
+            raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
+        form = await request.form()
+        name, transcript, upload = form.get("name"), form.get("transcript"), form.get("audio")
+        for field, value in (("name", name), ("transcript", transcript)):
+            if not isinstance(value, str):
+                raise APIError(400, f"missing form field {field!r}: send multipart fields name, transcript and audio "
+                               "(the recording)", field, "missing_parameter")
+        if upload is None or isinstance(upload, str):
+            raise APIError(400, "missing file field 'audio': upload the recording (WAV, FLAC, OGG or MP3)", "audio",
+                           "missing_parameter")
+        path = voices.path(name, "name")
+        if path.exists():
+            raise APIError(409, f"a voice called {name!r} already exists; choose another name", "name", "voice_exists")
+        checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
+        data = await upload.read()
+        samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
+
+        def encode():
+            return service.processor.create_voice(transcript, samples, rate, codec=service.model.codec, name=name)
+
+        # The generation thread encodes it, between two batches: the model is used by one thread at a time.
+        voice = await asyncio.get_running_loop().run_in_executor(service.worker.executor, encode)
+        voices.save(name, voice)
+        logger.info("enrolled voice %r (%d frames)", name, voice.codes.shape[1])
+        return JSONResponse(voices.describe(name), status_code=201)
+
+    @app.get("/metrics")
+    async def metrics() -> dict:
+        service = app.state.service
+        if service is None:
+            return {"ready": False}
+        return {"ready": True, **service.worker.snapshot()}
+
+    @app.post("/v1/audio/speech")
+    async def speech(body: SpeechRequest, request: Request) -> Response:
+        service = ready()
+        spec = check_response_format(body.response_format, body.stream_format)
+        # Off the event loop: reading reference audio can take a moment, and other responses are streaming.
+        job = await asyncio.to_thread(make_job, body, service, settings, voices, asyncio.get_running_loop())
+        service.worker.submit(job)
+        headers = {"X-Request-Id": job.request_id, "X-Seed": str(job.seed),
+                   "X-Sample-Rate": str(service.model.config.sampling_rate)}
+        return await respond(job, body, spec, request, headers, service.model.config.sampling_rate)
+
+    return app
+
+
+def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettings, voices: VoiceLibrary,
+             loop: asyncio.AbstractEventLoop) -> SpeechJob:
+    """A checked `SpeechJob` for a request (its events go to `loop`), or the APIError that says what is wrong."""
+    if body.model not in (settings.model_name, settings.model, *OPENAI_SPEECH_MODELS):
+        raise APIError(404, f"the model {body.model!r} does not exist; this server speaks with "
+                       f"{settings.model_name!r} (GET /v1/models)", "model", "model_not_found")
+    if len(body.input) > settings.max_text_chars:
+        raise APIError(413, f"input has {len(body.input)} characters; this server takes at most "
+                       f"{settings.max_text_chars} (--max-text-chars)", "input", "input_too_long")
+    if body.speed != 1.0:
+        raise APIError(400, f"speed {body.speed} is not supported: Drama 3 speaks at its own pace; send 1.0 or leave "
+                       "it out", "speed", "unsupported_value")
+    if body.instructions:
+        raise APIError(400, "instructions are not supported: Drama 3 follows cues written in the input itself, "
+                       "e.g. '[whispering] Come closer.'", "instructions", "unsupported_value")
+    sampling, max_new_tokens = sampling_settings(body, service, settings)
+    texts = checked(lambda: service.processor.split_text(body.input, max_bytes=settings.chunk_bytes), "input")
+    references = []
+    voice = voices.load(body.voice_name)
+    if voice is not None:
+        references.append(voice)
+    for index, reference in enumerate(body.references):
+        where = f"references[{index}]"
+        checked(lambda: service.processor.check_text(reference.transcript, f"{where}.transcript"),
+                f"{where}.transcript")
+        data = decode_base64_audio(reference.audio, f"{where}.audio")
+        samples, rate = read_audio_bytes(data, f"{where}.audio", settings.max_reference_seconds)
+        references.append({"transcript": reference.transcript, "audio": samples, "sampling_rate": rate})
+    seed = body.seed if body.seed is not None else secrets.randbits(63)
+    return SpeechJob(request_id=f"speech-{uuid.uuid4().hex[:16]}", texts=texts, references=references,
+                     sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, text_length=len(body.input),
+                     loop=loop)
+
+
+def sampling_settings(body: SpeechRequest, service: SpeechService, settings: ServerSettings) -> tuple[dict, int]:
+    """The request's sampling settings (those a batch shares) and its frame limit, checked by `generation_settings`
+    as `generate` would check them; `temperature` 0 means greedy decoding."""
+    requested = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "max_new_tokens")}
+    requested = {name: value for name, value in requested.items() if value is not None}
+    if requested.get("temperature") == 0:
+        requested.pop("temperature")
+        requested["do_sample"] = False
+    if "top_k" in requested and requested["top_k"] < 1:
+        raise APIError(400, f"top_k must be >= 1 (or left out for no limit), got {requested['top_k']}", "top_k",
+                       "invalid_value")
+    if requested.get("max_new_tokens", 0) > settings.max_frames:
+        raise APIError(400, f"max_new_tokens must be <= {settings.max_frames} (the server's --max-frames), got "
+                       f"{requested['max_new_tokens']}", "max_new_tokens", "invalid_value")
+    try:
+        checked_settings = generation_settings(service.model.generation_config, **requested)
+    except (TypeError, ValueError) as error:
+        named = [name for name in requested if name in str(error)]  # the setting the message is about comes first
+        param = min(named, key=str(error).find) if named else None
+        raise APIError(400, str(error), param, "invalid_value") from error
+    if checked_settings.do_sample:
+        sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,
+                    "top_k": checked_settings.top_k}
+    else:
+        sampling = {"do_sample": False}
+    max_new_tokens = requested.get("max_new_tokens", min(checked_settings.max_new_tokens, settings.max_frames))
+    return sampling, max_new_tokens
+
+
+def checked(call, param: str):
+    """`call()`, with the processor's ValueError/TypeError (bad text, bad speaker tag, control tokens) as a 400."""
+    try:
+        return call()
+    except (ValueError, TypeError) as error:
+        raise APIError(400, str(error), param, "invalid_text") from error
+
+
+async def next_event(job: SpeechJob, request: Request):
+    """The job's next event, cancelling the job if the client disconnects while it waits."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                job.cancel()
+                raise APIError(499, "the client disconnected", code="cancelled") from None
+
+
+async def respond(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request, headers: dict,
+                  sampling_rate: int) -> Response:
+    """The response of a queued job. Nothing is sent before its first event, so a request that fails before any
+    audio gets a proper error status; after that, `wav`/`pcm` and `sse` stream as audio is decoded."""
+    try:
+        first = await next_event(job, request)
+    except BaseException:
+        job.cancel()
+        raise
+    if isinstance(first, APIError):
+        raise first
+    if body.stream_format == "sse":
+        return StreamingResponse(sse_events(job, first, body.response_format, sampling_rate),
+                                 media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
+    if spec.streams:
+        prefix = streamed_wav_header(sampling_rate) if body.response_format == "wav" else b""
+        return StreamingResponse(audio_bytes(job, first, prefix), media_type=spec.media_type, headers=headers)
+    chunks = [first]
+    try:
+        while not isinstance(chunks[-1], (JobDone, APIError)):
+            chunks.append(await next_event(job, request))
+    except BaseException:
+        job.cancel()
+        raise
+    if isinstance(chunks[-1], APIError):
+        raise chunks[-1]
+    audio = torch.cat([torch.zeros(0), *chunks[:-1]])  # [samples]
+    data = await asyncio.to_thread(encode_audio_file, audio, sampling_rate, spec)
+    return Response(data, media_type=spec.media_type, headers=headers)
+
+
+async def audio_bytes(job: SpeechJob, event, prefix: bytes):
+    """The body of a streamed `wav`/`pcm` response: `prefix` (the WAV header), then 16-bit PCM as it is decoded."""
+    try:
+        if prefix:
+            yield prefix
+        while not isinstance(event, JobDone):
+            if isinstance(event, APIError):
+                raise StreamAborted(f"request {job.request_id} failed after its audio started: {event.message}")
+            yield pcm16(event)
+            event = await job.events.get()
+    finally:
+        job.cancel()  # no effect once the job is done; stops it if the client went away
+
+
+async def sse_events(job: SpeechJob, event, response_format: str, sampling_rate: int):
+    """Server-sent events: `speech.audio.delta` (base64 of the next bytes of the pcm/wav stream), then
+    `speech.audio.done` with usage (prompt rows in, frames out), or an `error` event."""
+
+    def message(payload: dict) -> str:
+        return f"data: {json.dumps(payload)}\n\n"
+
+    def delta(data: bytes) -> str:
+        return message({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
+
+    try:
+        if response_format == "wav":
+            yield delta(streamed_wav_header(sampling_rate))
+        while not isinstance(event, JobDone):
+            if isinstance(event, APIError):
+                yield message({"type": "error", **event.body()})
+                return
+            yield delta(pcm16(event))
+            event = await job.events.get()
+        usage = {"input_tokens": event.prompt_rows, "output_tokens": event.frames,
+                 "total_tokens": event.prompt_rows + event.frames}
+        yield message({"type": "speech.audio.done", "usage": usage})
+    finally:
+        job.cancel()
+
+
+class RequestGuard:
+    """ASGI middleware run before any route reads a body: the API key (when the server has one) on `/v1/...` and
+    `/metrics` (`/health` never needs it), and the body limit: a `Content-Length` over it is refused before the body
+    is read, and a body sent without one is stopped as soon as it passes the limit. Both answer 413 in the OpenAI
+    shape (FastAPI's own `max_body_size` answers a declared length in plain text, hence this middleware)."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            error = self.refusal(scope["path"], headers.get(b"authorization", b"").decode("latin-1"),
+                                 headers.get(b"content-length", b"").decode("latin-1"))
+            if error is not None:
+                return await error.response()(scope, receive, send)
+            receive = self.limited(receive)
+        await self.app(scope, receive, send)
+
+    def limited(self, receive):
+        """`receive` that raises a 413 once the body passes the limit (FastAPI passes the HTTPException on to the
+        error handlers while it reads the body)."""
+        received = 0
+
+        async def receive_within_limit():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise HTTPException(413)
+            return message
+
+        return receive_within_limit
+
+    def refusal(self, path: str, authorization: str, content_length: str) -> APIError | None:
+        if self.api_key is not None and path.startswith(PROTECTED_PREFIXES):
+            scheme, _, token = authorization.partition(" ")
+            if scheme.lower() != "bearer" or not token.strip():
+                return APIError(401, "no API key: send the header 'Authorization: Bearer YOUR_KEY'",
+                                code="invalid_api_key")
+            if not secrets.compare_digest(token.strip().encode(), self.api_key.encode()):
+                return APIError(401, "incorrect API key", code="invalid_api_key")
+        if content_length.isdigit() and int(content_length) > self.max_body_bytes:
+            return body_too_large(self.max_body_bytes)
+        return None
+
+
+__all__ = ["RequestGuard", "SpeechService", "create_app"]

@@ -1,0 +1,131 @@
+"""`drama3-serve`: an OpenAI-compatible speech server for Drama 3 (FastAPI + uvicorn).
+
+    drama3-serve --tiny
+    drama3-serve --model fishaudio/drama-3 --host 0.0.0.0 --port 8000 --voices voices/ --max-batch 16
+
+The server starts at once and loads the model in the background (`GET /health` is 503 until it is ready); if the
+model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts).
+docs/serving.md describes the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from ..cli import INTERRUPTED
+from ..testing import default_tiny_checkpoint
+from .settings import ServerSettings
+
+API_KEY_VARIABLE = "DRAMA3_API_KEY"
+DEFAULTS = ServerSettings()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="drama3-serve",
+        description="OpenAI-compatible text-to-speech server (POST /v1/audio/speech) for Fish Audio Drama 3.",
+        epilog="examples:\n" + __doc__.split("\n\n")[1] + "\n\nAPI and examples: docs/serving.md",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint directory or Hub repository id (e.g. fishaudio/drama-3)")
+    source.add_argument("--tiny", action="store_true",
+                        help="serve the embedded tiny random checkpoint (for trying the API: it speaks noise)")
+    parser.add_argument("--model-name", help="the model id clients send and GET /v1/models lists "
+                        "(default: the checkpoint's directory name)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine "
+                        "only; 0.0.0.0 for every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--voices", type=Path, metavar="DIR",
+                        help="directory of saved voices (NAME.safetensors); POST /v1/voices adds to it")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                        help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_VARIABLE}, "
+                        "which keeps the key out of the process list; no key: open to anyone who can connect)")
+
+    run = parser.add_argument_group("model")
+    run.add_argument("--device", default=DEFAULTS.device, help='"cpu", "cuda", "cuda:1", ... (default: cuda if '
+                     "available)")
+    run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=DEFAULTS.dtype,
+                     help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+    run.add_argument("--fast-decode", action="store_true",
+                     help="replay the frame step as a CUDA graph on a GPU (docs/usage.md)")
+    run.add_argument("--compile-step", nargs="?", const=True, default=False, metavar="BACKEND",
+                     help="torch.compile the frame step first (inductor, or the named backend; compiles on the first "
+                     "request of each batch size)")
+
+    limits = parser.add_argument_group("batching and limits")
+    limits.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
+                        help=f"most requests generated together in one batch (default {DEFAULTS.max_batch})")
+    limits.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
+                        help="after a request arrives at an idle server, wait this long for others to batch with it "
+                        f"(default {DEFAULTS.batch_window_ms:g})")
+    limits.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
+                        help=f"waiting requests beyond which new ones get 429 (default {DEFAULTS.max_queue})")
+    limits.add_argument("--max-text-chars", type=int, default=DEFAULTS.max_text_chars,
+                        help=f"longest input text, in characters (default {DEFAULTS.max_text_chars}, as OpenAI)")
+    limits.add_argument("--max-reference-seconds", type=float, default=DEFAULTS.max_reference_seconds,
+                        help=f"longest reference or enrolled recording (default {DEFAULTS.max_reference_seconds:g})")
+    limits.add_argument("--max-body-bytes", type=int, default=DEFAULTS.max_body_bytes,
+                        help=f"largest request body, base64 references and uploads included "
+                        f"(default {DEFAULTS.max_body_bytes})")
+    limits.add_argument("--max-frames", type=int, default=DEFAULTS.max_frames,
+                        help=f"most frames per text chunk a request may ask for, and the default (21.5 frames = 1 s; "
+                        f"default {DEFAULTS.max_frames})")
+    limits.add_argument("--chunk-bytes", type=int, default=DEFAULTS.chunk_bytes,
+                        help=f"long input is spoken in chunks of at most this many UTF-8 bytes "
+                        f"(default {DEFAULTS.chunk_bytes})")
+
+    logs = parser.add_argument_group("logging")
+    logs.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    logs.add_argument("--log-text", action="store_true", help="log the text of each request (default: its length)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvicorn
+
+        from .app import create_app
+    except ImportError as error:
+        print(f"drama3-serve: error: {error.name} is missing; install the server with "
+              '\'pip install "transformers-drama3[serve]"\'', file=sys.stderr)
+        return 1
+    try:
+        settings = ServerSettings(
+            model=default_tiny_checkpoint() if args.tiny else args.model,
+            model_name=args.model_name or ("drama3-tiny" if args.tiny else None), voices_dir=args.voices,
+            api_key=args.api_key, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+            batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, max_text_chars=args.max_text_chars,
+            max_reference_seconds=args.max_reference_seconds, max_body_bytes=args.max_body_bytes,
+            max_frames=args.max_frames, chunk_bytes=args.chunk_bytes, fast_decode=args.fast_decode,
+            compile_step=args.compile_step, log_text=args.log_text,
+        )
+        failed = []
+
+        def stop(error: Exception) -> None:
+            failed.append(error)
+            server.should_exit = True
+
+        app = create_app(settings, on_load_failure=stop)
+    except (OSError, ValueError) as error:
+        print(f"drama3-serve: error: {error}", file=sys.stderr)
+        return 1
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl+C
+        return INTERRUPTED
+    if failed:
+        print(f"drama3-serve: error: cannot load {settings.model!r}: {failed[0]}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -95,7 +95,8 @@ def load_codec_and_processor(model: str | os.PathLike, device: str | torch.devic
 
         directory = Path(snapshot_download(str(model), allow_patterns=["*.json", CODEC_FILE]))
     config = FishOmniConfig.from_pretrained(directory)
-    codec = FishDACCodec.from_codec_state_dict(read_codec_file(str(directory), config.codec_config), config.codec_config)
+    state_dict = read_codec_file(str(directory), config.codec_config)
+    codec = FishDACCodec.from_codec_state_dict(state_dict, config.codec_config)
     codec = codec.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     processor = Drama3Processor.from_pretrained(directory)
     return codec, processor

@@ -66,7 +66,11 @@ class FishOmniPreTrainedModel(PreTrainedModel):
     config_class = FishOmniConfig
     base_model_prefix = ""
     main_input_name = "input_ids"
-    supports_gradient_checkpointing = False
+    # Backbone decoder layers and tower layers are `GradientCheckpointingLayer`s (docs/finetuning.md).
+    supports_gradient_checkpointing = True
+    # The loss is two means (main tokens, codebooks) over different counts: `Trainer` must not pass
+    # `num_items_in_batch`; it scales the loss for gradient accumulation itself.
+    accepts_loss_kwargs = False
     # Attention kernels: the backbone's and the tower's attention both run through transformers' attention interface
     # (`attn_implementation="sdpa"` (default), `"eager"`, `"flash_attention_2"`, registered hub kernels).
     _supports_sdpa = True
@@ -120,6 +124,14 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         if type(self.lm_head) is nn.Linear and not weight.is_meta:
             return F.linear(hidden, weight.index_select(0, candidates.to(weight.device)))
         return self.lm_head(hidden).index_select(-1, candidates)
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        """The backbone's token embedding (text ids and the main id of audio rows); peft and gradient checkpointing
+        hook it."""
+        return self.backbone.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.backbone.embed_tokens = value
 
     @property
     def input_device(self) -> torch.device:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import eager_attention_forward
 from transformers.utils import ModelOutput
@@ -306,8 +307,11 @@ class Drama3TowerBlock(nn.Module):
         return r + self.feed_forward(self.ffn_norm(r))
 
 
-class Drama3TowerLayer(nn.Module):
+class Drama3TowerLayer(GradientCheckpointingLayer):
     """One tower layer (SPEC 5.1): mixes a code embedding into the hidden state, then a transformer block.
+
+    A `GradientCheckpointingLayer`: after `model.gradient_checkpointing_enable()` a training pass that records
+    gradients keeps only the layer's inputs and runs it again during backward.
 
     `embedding_name` is `"semantic_embedding"` (shared layers) or `"codebook_embedding"` (residual layers), the
     checkpoint's names. The code embedding counts only where the label frame is audio (`is_audio`).

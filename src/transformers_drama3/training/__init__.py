@@ -16,7 +16,9 @@ except ImportError as error:
         f"transformers_drama3.training needs {error.name!r}: pip install \"transformers-drama3[train]\""
     ) from error
 
-from .checkpointing import checkpointing_arguments, disable_checkpointing, enable_checkpointing
+from ..compat import checkpointing_training_arguments as checkpointing_arguments
+from ..compat import disable_activation_checkpointing as disable_checkpointing
+from ..compat import enable_activation_checkpointing as enable_checkpointing
 from .collator import Drama3SpeechCollator
 from .lora import LORA_PRESETS, LoraTargets, drama3_lora_config
 from .prepare import PreparedDataset, load_codec_and_processor, prepare_dataset, speech_example

@@ -1,4 +1,4 @@
-"""Config loading, round trips and the validation rules of SPEC 2.1 (each bad config names key, value and rule)."""
+"""Config loading, round trips and the validation rules of docs/format.md ("Config rules") (each bad config names key, value and rule)."""
 
 import copy
 import json

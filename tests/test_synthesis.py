@@ -1,4 +1,4 @@
-"""`synthesize`: long text in chunks with history turns (SPEC 9), one continuous waveform, voice cloning end to end."""
+"""`synthesize`: long text in chunks with history turns (docs/format.md, "Long text"), one continuous waveform, voice cloning end to end."""
 
 import numpy as np
 import pytest

@@ -1,4 +1,4 @@
-"""Tests of the codebook tower and its cache (SPEC 5, `modeling_tower.py`).
+"""Tests of the codebook tower and its cache (docs/format.md, "The codebook tower"; `modeling_tower.py`).
 
 Two kinds of tower:
 - the golden tiny checkpoint's tower (weights read straight from the safetensors shards, upcast to float32),

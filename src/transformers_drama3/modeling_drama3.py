@@ -156,7 +156,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         return self.tower.is_audio(main_ids)
 
     def embed_frames(self, frames: torch.Tensor) -> torch.Tensor:
-        """Backbone input embedding of frame rows (SPEC 4): `frames [B, T, 1 + NCB]` -> `[B, T, D]`.
+        """Backbone input embedding of frame rows (docs/format.md, "Backbone input"): `frames [B, T, 1 + NCB]` -> `[B, T, D]`.
 
         Text row: `E[token]`. Audio row: `(E[token] + sum_{i=1..k} C_i[c_i]) / sqrt(1 + k)`, k = vq_backbone_codebooks.
         """

@@ -1,4 +1,4 @@
-"""The Drama 3 codebook tower (SPEC 5): shared enrichment layers, residual layers, heads, and their KV cache.
+"""The Drama 3 codebook tower (docs/format.md, "The codebook tower"): shared enrichment layers, residual layers, heads, and their KV cache.
 
 For backbone row `t` (final-norm hidden `h_t`) the tower predicts the codes of the next frame `lab`:
 
@@ -308,7 +308,7 @@ class Drama3TowerBlock(nn.Module):
 
 
 class Drama3TowerLayer(GradientCheckpointingLayer):
-    """One tower layer (SPEC 5.1): mixes a code embedding into the hidden state, then a transformer block.
+    """One tower layer (docs/format.md, "One tower layer"): mixes a code embedding into the hidden state, then a transformer block.
 
     A `GradientCheckpointingLayer`: after `model.gradient_checkpointing_enable()` a training pass that records
     gradients keeps only the layer's inputs and runs it again during backward.
@@ -399,7 +399,7 @@ def tower_attention_mask(
 
 
 class Drama3CodebookTower(PreTrainedModel):
-    """The codebook tower: S shared layers, NCB-1 residual layers and NCB-1 heads (SPEC 5).
+    """The codebook tower: S shared layers, NCB-1 residual layers and NCB-1 heads (docs/format.md, "The codebook tower").
 
     Frames are rows `[main_id, c0, ..., c(NCB-1)]` (width `1 + NCB`). A frame is audio when its main id lies in
     the semantic band `[semantic_start_token_id, semantic_start_token_id + V - 1]`. A transformers sub-model (as

@@ -1,4 +1,4 @@
-"""The sampling rules of Drama 3 (SPEC 6) as transformers `LogitsProcessor`s.
+"""The sampling rules of Drama 3 (docs/format.md, "Sampling") as transformers `LogitsProcessor`s.
 
 One draw of the official server is `sample(logits, T, top_k, top_p, keep_crossing)`: scale by `1 / max(T, 1e-5)` in
 float32, sort, softmax over all candidates, keep by top-p (the token that crosses `top_p` stays for the main token,
@@ -21,7 +21,7 @@ import torch
 from transformers import LogitsProcessor
 
 MIN_TEMPERATURE = 1e-5
-CODEBOOK_TOP_K_CAP = 30  # SPEC 6: codebook top-k is capped at 30
+CODEBOOK_TOP_K_CAP = 30  # codebook top-k is capped at 30 (docs/format.md, "Codebook heads")
 # Settings a sampling frame step depends on (besides do_sample).
 SAMPLING_SETTINGS = (
     "temperature", "top_k", "top_p", "ras_window", "ras_temperature", "ras_top_k", "ras_top_p",
@@ -30,7 +30,7 @@ SAMPLING_SETTINGS = (
 
 
 class TopKTopPWarper(LogitsProcessor):
-    """Temperature, top-p (keeping or dropping the crossing token) then top-k: SPEC 6's `sample` rule.
+    """Temperature, top-p (keeping or dropping the crossing token) then top-k: the draw rule of docs/format.md ("The draw rule").
 
     Returns float32 logits scaled by the temperature with `-inf` outside the kept set (`[B, C]` in, `[B, C]` out).
     """
@@ -110,7 +110,7 @@ def draw(
 
 
 class FrameSampler:
-    """The draws of one frame of `generate` (SPEC 6): the main token with RAS, then codes 1..NCB-1.
+    """The draws of one frame of `generate` (docs/format.md, "Sampling"): the main token with RAS, then codes 1..NCB-1.
 
     Built from the generation settings. All randomness of a frame is one uniform tensor `[B, NCB, V + 1]`
     (`fill_noise`): the main token draws from `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`. With

@@ -29,7 +29,8 @@ STRUCTURAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|i
 NUM_SPEAKERS = 16
 BPE_VOCAB = 400
 
-# The embedded default: the geometry of `shared/golden/tiny` (about 20 MB), original config.json schema.
+# The embedded default: the golden tiny checkpoint's geometry (`tests/fixtures/tiny`, about 20 MB), original config.json
+# schema.
 TINY_CONFIG = {
     "architectures": ["FishOmniModel"],
     "model_type": "fish_omni",
@@ -186,7 +187,7 @@ def _random_dense(name: str, shape: tuple[int, ...], generator: torch.Generator)
 
 def quantize_fp8_blockwise(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """`weight [out, in]` -> (`float8_e4m3fn [out, in]`, float32 `scale_inv [ceil(out/block), ceil(in/block)]`)
-    with `weight ≈ fp8 * scale_inv[i // block, j // block]` (SPEC 2.3)."""
+    with `weight ≈ fp8 * scale_inv[i // block, j // block]` (docs/format.md, "FP8 experts")."""
     rows, cols = weight.shape
     grid = (math.ceil(rows / block), math.ceil(cols / block))
     padded = torch.zeros(grid[0] * block, grid[1] * block)

@@ -97,7 +97,10 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("running")
     run.add_argument("--stream", action="store_true", help="write the audio while it is generated")
     run.add_argument("--fast-decode", action="store_true",
-                     help="preallocated frame step, one CUDA graph per frame on a GPU (docs/usage.md)")
+                     help="on a GPU: capture the frame step once as a CUDA graph and replay it every frame "
+                          "(docs/usage.md)")
+    run.add_argument("--compile-step", action="store_true",
+                     help="torch.compile the frame step first (fewer, fused kernels; compiling takes minutes)")
     run.add_argument("--device", default="auto", help='"cpu", "cuda", "cuda:1", ... (default: cuda if available)')
     run.add_argument("--parallel", choices=["tensor", "expert"],
                      help="under torchrun: split the backbone over the ranks by tensor parallelism or by whole experts "
@@ -170,6 +173,8 @@ def generation_flags(args: argparse.Namespace) -> dict:
         settings["do_sample"] = False
     if args.fast_decode:
         settings["fast_decode"] = True
+    if args.compile_step:
+        settings["compile_step"] = True
     return settings
 
 

@@ -33,6 +33,8 @@ from .parallel import ParallelRequest
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 IGNORE_INDEX = -100
+# The backbone's cache keyword on the installed transformers (read once: the frame step is traced by torch.compile).
+BACKBONE_CACHE_ARGUMENT = compat.backbone_cache_argument()
 
 
 @dataclass
@@ -303,7 +305,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=cache is not None,
-            **{compat.backbone_cache_argument(): cache},
+            **{BACKBONE_CACHE_ARGUMENT: cache},
         )
         return out.last_hidden_state
 

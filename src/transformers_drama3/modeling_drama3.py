@@ -379,7 +379,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             kwargs["device_map"] = dict(kwargs["device_map"])  # the codec gets pinned in it: leave the caller's alone
             warn_about_codec_entries(kwargs["device_map"])
         if kwargs.get("quantization_config") is not None:
-            config, kwargs["quantization_config"] = prepare_quantization(config, kwargs["quantization_config"])
+            config, kwargs["quantization_config"] = prepare_quantization(
+                config, kwargs["quantization_config"], skeleton
+            )
 
         loaded = super().from_pretrained(directory, *model_args, config=config, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded

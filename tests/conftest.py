@@ -33,6 +33,13 @@ def golden_generation_model():
     return model
 
 
+@pytest.fixture(scope="session")
+def golden_model():
+    """`golden_generation_model()`, loaded once per run for the tests that do not change it (monkeypatched
+    attributes are restored after each test; a test that changes weights or settings loads its own model)."""
+    return golden_generation_model()
+
+
 def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompts `[T_i, 11]` as one left-padded batch `[B, max T_i, 11]` and its attention mask `[B, max T_i]`."""
     rows = max(p.shape[0] for p in prompts)

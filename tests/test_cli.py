@@ -20,11 +20,6 @@ MODEL = ["--model", str(GOLDEN_TINY)]
 FAST = ["--max-new-tokens", "2", "--quiet"]
 
 
-@pytest.fixture(scope="module")
-def golden_model():
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32)
-
-
 @pytest.fixture(autouse=True)
 def _reuse_the_model(golden_model, monkeypatch):
     """In-process runs share one loaded golden model (loading itself is tested by the subprocess run)."""

@@ -13,7 +13,6 @@ import torch
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.testing import write_tiny_checkpoint
 
-from .conftest import GOLDEN_TINY
 from .tolerances import codebook_logit_reductions, main_logit_reductions, reordering_tolerance
 
 
@@ -21,11 +20,6 @@ def _load(path):
     model = FishOmniForSpeech.from_pretrained(path, dtype=torch.float32)
     model.set_experts_implementation("eager")  # the golden values used the eager per-expert loop
     return model
-
-
-@pytest.fixture(scope="module")
-def golden_model():
-    return _load(GOLDEN_TINY)
 
 
 def _column_order(model, expected):

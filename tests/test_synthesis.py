@@ -6,7 +6,7 @@ import soundfile
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from transformers_drama3 import Drama3Processor, FishOmniForSpeech
+from transformers_drama3 import Drama3Processor
 from transformers_drama3.generation_drama3 import Drama3AudioStreamer
 from transformers_drama3.synthesis import history_turns, synthesize
 from transformers_drama3.voice import Drama3Voice
@@ -23,8 +23,8 @@ TEXT = " ".join(SENTENCES)
 
 
 @pytest.fixture(scope="module")
-def model():
-    return FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+def model(golden_model):
+    return golden_model  # the session's (conftest.py); these tests only monkeypatch it
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 
 from torch import nn
-
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -45,7 +44,7 @@ NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
 # lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB) and
 # the codec (loaded from codec.pth after quantization, so it must stay a plain module).
 BNB_SKIP_MODULES = ["lm_head", "tower", CODEC_MODULE]
-# On a CPU with AVX512-BF16, bitsandbytes (0.49+) runs 4-bit linears through a kernel that repacks each weight in
+# On a CPU with AVX512-BF16, bitsandbytes (0.50) runs 4-bit linears through a kernel that repacks each weight in
 # blocks of 32 output rows on the first forward call (`_convert_weight_packed_for_cpu`) and asserts that
 # out_features is a multiple of 32 and in_features is even. Other CPUs and GPUs have no such limit.
 BNB_CPU_4BIT_ROW_BLOCK = 32

@@ -1,11 +1,24 @@
-"""Shared fixtures: the golden tiny checkpoint (a copy of shared/golden) and its expected outputs."""
+"""Shared fixtures (the golden tiny checkpoint, a copy of shared/golden, and its expected outputs), the thread policy
+of the test run and the machine facts printed at its start."""
 
-import json
-from pathlib import Path
+import os
 
-import pytest
-import torch
-from safetensors.torch import load_file
+# One torch thread, and OpenMP threads that sleep instead of spinning while they wait. With torch's default (one
+# spinning thread per core) small ops ran 100-1000x slower whenever another process wanted the CPU, and the tiny
+# models here are as fast on one thread. Set before torch is imported (the OpenMP runtime reads them when it
+# loads) and inherited by the CLI tests' subprocesses; a value already in the environment wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import json  # noqa: E402
+import platform  # noqa: E402
+import warnings  # noqa: E402
+from importlib import metadata  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_TINY = FIXTURES / "tiny"
@@ -18,6 +31,21 @@ def golden_generation_model():
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
     model.set_experts_implementation("eager")
     return model
+
+
+@pytest.fixture(scope="session")
+def golden_model():
+    """`golden_generation_model()`, loaded once per run for the tests that do not change it (monkeypatched
+    attributes are restored after each test; a test that changes weights or settings loads its own model)."""
+    return golden_generation_model()
+
+
+@pytest.fixture(scope="session")
+def golden_processor():
+    """The golden tiny checkpoint's `Drama3Processor`, loaded once per run (processors hold no state a test changes)."""
+    from transformers_drama3 import Drama3Processor
+
+    return Drama3Processor.from_pretrained(GOLDEN_TINY)
 
 
 def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,3 +79,66 @@ def prompt():
     rows[:4, 0] = torch.tensor([1, 5, 7, 9])
     rows[4:, 0], rows[4:, 1:] = 421 + codes[:, 0], codes  # semantic_start = 421
     return rows[None]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Machine facts at the start of a run: a failure on another machine can be traced to its CPU and package versions
+# ---------------------------------------------------------------------------------------------------------------
+
+PACKAGES = ["torch", "transformers", "accelerate", "bitsandbytes", "numpy", "safetensors", "huggingface-hub"]
+CPU_FLAG_PREFIXES = ("avx", "amx", "fma", "f16c")  # what torch's and bitsandbytes' CPU kernels are chosen by
+
+
+def cpu_model_and_flags() -> tuple[str, list[str]]:
+    """The CPU's model name and its vector-instruction flags (Linux /proc/cpuinfo; elsewhere no flags)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)  # the first CPU's lines are overwritten
+    except OSError:
+        return platform.processor() or platform.machine(), []
+    names = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = [flag for flag in names.get("flags", "").split() if flag.startswith(CPU_FLAG_PREFIXES)]
+    return names.get("model name", platform.machine()), sorted(flags)
+
+
+def bitsandbytes_cpu_paths() -> str:
+    """Which CPU kernels bitsandbytes uses here (see tests/test_quantization.py)."""
+    try:
+        with warnings.catch_warnings():  # its import warns about torch.jit deprecations: not this run's business
+            warnings.simplefilter("ignore")
+            import bitsandbytes
+    except ImportError:
+        return "bitsandbytes not installed"
+    four_bit = "packed AVX512-BF16" if bitsandbytes.functional.has_avx512bf16() else "dequantise + float32 matmul"
+    eight_bit = "torch._int_mm" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "float32 matmul"
+    return f"bitsandbytes CPU paths: 4-bit {four_bit}, 8-bit {eight_bit}"
+
+
+def machine_facts() -> list[str]:
+    model, flags = cpu_model_and_flags()
+    versions = []
+    for package in PACKAGES:
+        try:
+            versions.append(f"{package} {metadata.version(package)}")
+        except metadata.PackageNotFoundError:
+            versions.append(f"{package} not installed")
+    threads = ", ".join(f"{name}={os.environ.get(name)}" for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY"))
+    return [
+        f"cpu: {model}, {os.cpu_count()} cores; flags: {' '.join(flags) or 'unknown'}",
+        f"torch CPU capability: {torch.backends.cpu.get_cpu_capability()}; {bitsandbytes_cpu_paths()}",
+        f"python {platform.python_version()}; {', '.join(versions)}",
+        f"threads: torch {torch.get_num_threads()} ({threads})",
+    ]
+
+
+def pytest_report_header(config):
+    return machine_facts()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionstart(session):
+    """`-q` (the README's command) hides the report header: print the facts anyway, so that every log has them."""
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and not reporter.showheader:
+        for line in machine_facts():
+            reporter.write_line(line)

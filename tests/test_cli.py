@@ -25,11 +25,6 @@ CLI = [sys.executable, "-m", "transformers_drama3.cli"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def golden_model():
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32)
-
-
 @pytest.fixture(autouse=True)
 def _reuse_the_model(golden_model, monkeypatch):
     """In-process runs share one loaded golden model (loading itself is tested by the subprocess run)."""

@@ -1,37 +1,80 @@
-"""bitsandbytes 8-/4-bit on CPU over the bsgemm-moe checkpoint, the FP8 kernel fallback, quantization conflicts.
+"""bitsandbytes 8-/4-bit on CPU over the bsgemm-moe checkpoint, both CPU 4-bit paths, the FP8 kernel fallback,
+quantization conflicts.
+
+bitsandbytes' two CPU 4-bit paths: a `Linear4bit` reads `has_avx512bf16()` once, when it is built (the name
+`bitsandbytes.nn.modules.has_avx512bf16`; the native library answers with the CPU's AVX512-BF16 flag). With it,
+the first forward call in eval mode without gradients repacks the weight for a bf16 kernel, which needs the output
+size to be a multiple of 32 and the input size even; without it, the weight is dequantised for a float32 matmul.
+The tests choose the path by patching that name: the dequantising path runs on every CPU; the packed kernel is
+AVX512-BF16 machine code, so the packed path runs where the CPU has the flag (`FOUR_BIT_PATHS`), while the packing
+itself (plain torch, where bitsandbytes checks the shapes) is applied to every 4-bit weight on every CPU.
+
+Geometry: in the golden tiny checkpoint `in_proj_a` / `in_proj_b` have 2 outputs (2 value heads), which the packed
+kernel cannot take. The quantisation tests load a tiny checkpoint with 32 value heads of width 8 instead, so that,
+as in the real model, only `shared_expert_gate` (hidden -> 1) is kept out of 4-bit (`prepare_quantization`).
 
 Tolerances are per weight, from the quantisation grids themselves: int8 rounds `W / (row absmax / 127)` to the
 nearest integer, so `|W - W8 * absmax / 127| <= absmax / 254`; 4-bit rounds each block of 64 weights, scaled by the
 block absmax, to the nearest of 16 code values, so the error is at most half the widest gap of the code times the
-block absmax (1/6 for fp4, 0.152 for nf4). The effect on logits (measured, not asserted) is in docs/hardware.md.
+block absmax (1/6 for fp4, 0.152 for nf4). On top: float32 rounding of the scaling on both sides, 5 u of the
+absmax (`GRID_SLACK`). The effect on logits (measured, not asserted) is in docs/hardware.md.
 """
 
+import copy
 import logging
 
 import bitsandbytes as bnb
 import pytest
 import torch
+from torch import nn
 from transformers import BitsAndBytesConfig
 from transformers.utils.quantization_config import FineGrainedFP8Config
 
-from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig, BsgemmMoeHfQuantizer, prepare_quantization
+from transformers_drama3 import FishOmniConfig, FishOmniForSpeech
+from transformers_drama3.quantization_bsgemm import (
+    BNB_SKIP_MODULES,
+    BsgemmMoeConfig,
+    BsgemmMoeHfQuantizer,
+    cpu_unpackable_4bit_linears,
+    prepare_quantization,
+    skip_patterns,
+)
+from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
+from .tolerances import unit_roundoff
 
 pytestmark = pytest.mark.filterwarnings("ignore:MatMul8bitLt")  # bnb's note that fp32 inputs run as fp16
 
-GREEDY_FRAMES = 8
+GREEDY_FRAMES = 4  # enough to run every quantised linear through both the prefill and the frame steps
+# Linear attention with 32 value heads: in_proj_a / in_proj_b get 32 outputs, like the real model's.
+FITTING_GEOMETRY = {"text_config": {"linear_num_value_heads": 32, "linear_value_head_dim": 8}}
+FOUR_BIT_PATHS = ["dequantising"] + (["packed"] if bnb.functional.has_avx512bf16() else [])
+# Float32 rounding on top of the grid bound, in units of the scale (absmax): two roundings on bitsandbytes' side
+# (the scale and the scaled weight that is rounded to the grid), two in the dequantisation (code times scale, the
+# division by 127 for int8), one in the comparison; each at most u times the absmax.
+GRID_SLACK = 5 * unit_roundoff(torch.float32)
+
+
+def _meta_model(config):
+    """The skeleton `from_pretrained` quantises: on the meta device, without the codec (it joins after loading)."""
+    with torch.device("meta"):
+        return FishOmniForSpeech(config, with_codec=False)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    return FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+def checkpoint(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("fitting"), seed=3, **FITTING_GEOMETRY)
 
 
-def _load(quantization_config):
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    return FishOmniForSpeech.from_pretrained(checkpoint, dtype=torch.float32)
+
+
+def _load(quantization_config, checkpoint=GOLDEN_TINY):
     model, info = FishOmniForSpeech.from_pretrained(
-        GOLDEN_TINY, dtype=torch.float32, quantization_config=quantization_config, output_loading_info=True
+        checkpoint, dtype=torch.float32, quantization_config=quantization_config, output_loading_info=True
     )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     return model
@@ -39,13 +82,13 @@ def _load(quantization_config):
 
 def _dense_linears(model):
     """(name, module) of the backbone's linears: attention, linear attention, shared expert and its gate."""
-    return [(name, module) for name, module in model.backbone.named_modules() if "Linear" in type(module).__name__]
+    return [(name, module) for name, module in model.backbone.named_modules() if isinstance(module, nn.Linear)]
 
 
 def _dequantised_8bit(parameter) -> tuple[torch.Tensor, torch.Tensor]:
     """(weight, error bound) of an `Int8Params` weight: int8 rows times row absmax / 127, bound absmax / 254."""
     absmax = parameter.SCB.float()[:, None]  # [out, 1]
-    return parameter.data.float() * absmax / 127, absmax / 254
+    return parameter.data.float() * absmax / 127, absmax / 254 + GRID_SLACK * absmax
 
 
 def _dequantised_4bit(parameter, shape) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,32 +98,48 @@ def _dequantised_4bit(parameter, shape) -> tuple[torch.Tensor, torch.Tensor]:
     code = state.code.sort().values
     half_gap = (code[1:] - code[:-1]).max() / 2
     absmax = weight.reshape(-1, state.blocksize).abs().amax(-1, keepdim=True)  # [blocks, 1]
-    return weight, (half_gap * absmax).expand(-1, state.blocksize).reshape(shape)
+    return weight, ((half_gap + GRID_SLACK) * absmax).expand(-1, state.blocksize).reshape(shape)
 
 
-@pytest.mark.parametrize(
-    "config",
-    [
-        pytest.param(BitsAndBytesConfig(load_in_8bit=True), id="8bit"),
-        pytest.param(BitsAndBytesConfig(load_in_4bit=True), id="4bit-fp4"),
-        pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"), id="4bit-nf4"),
-    ],
-)
-def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, reference, expected):
-    model = _load(config)
-    assert model.config.quantization_config.quant_method == "bitsandbytes"
-    assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head", "tower"]
+QUANTISATIONS = [pytest.param(BitsAndBytesConfig(load_in_8bit=True), None, id="8bit")] + [
+    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind), path, id=f"4bit-{kind}-{path}")
+    for kind in ("fp4", "nf4")
+    for path in FOUR_BIT_PATHS
+]
+
+
+@pytest.mark.parametrize(("config", "path"), QUANTISATIONS)
+def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, path, monkeypatch, checkpoint, reference,
+                                                                 expected):
+    if path is not None:  # 4-bit: the CPU path of the Linear4bit modules built by this load
+        monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: path == "packed")
+    model = _load(config, checkpoint)
     eight_bit = config.load_in_8bit
+    assert model.config.quantization_config.quant_method == "bitsandbytes"
+    # 4-bit also keeps shared_expert_gate (hidden -> 1) in full precision: the packed CPU kernel cannot take it.
+    kept = [] if eight_bit else ["shared_expert_gate"]
+    assert model.config.quantization_config.llm_int8_skip_modules == BNB_SKIP_MODULES + kept
     quantized_class = bnb.nn.Linear8bitLt if eight_bit else bnb.nn.Linear4bit
 
     linears = _dense_linears(model)
-    assert linears and all(isinstance(module, quantized_class) for _, module in linears)
+    quantised = [(name, module) for name, module in linears if not name.endswith("shared_expert_gate") or eight_bit]
+    assert len(quantised) > len(linears) / 2 and all(isinstance(module, quantized_class) for _, module in quantised)
+    assert all(type(module) is nn.Linear for name, module in linears if (name, module) not in quantised)
     reference_modules = dict(reference.backbone.named_modules())
-    for name, module in linears:
+    for name, module in quantised:
         original = reference_modules[name].weight
         weight, bound = (_dequantised_8bit(module.weight) if eight_bit
                          else _dequantised_4bit(module.weight, original.shape))
-        assert ((weight - original).abs() <= bound * (1 + 1e-5) + 1e-7).all(), name
+        assert ((weight - original).abs() <= bound).all(), name
+    # Every 4-bit linear of the model takes the repacking the AVX512-BF16 kernel does at the first forward call
+    # (plain torch, so it runs on any CPU; bitsandbytes asserts the shape there). On copies: the forward below must
+    # see the untouched weights.
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            packed, _ = bnb.functional._convert_weight_packed_for_cpu(
+                module.weight.data.clone(), copy.deepcopy(module.weight.quant_state)
+            )
+            assert packed.shape == (module.out_features, module.in_features // 2), name
 
     # Full precision, bit-equal to the plain load: experts (dequantised FP8), tower, lm_head, codec.
     for ours, theirs in ((model.backbone.layers[0].mlp.experts, reference.backbone.layers[0].mlp.experts),
@@ -91,6 +150,43 @@ def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, referenc
     out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES)
     assert out.sequences.shape[1] <= prompt.shape[1] + GREEDY_FRAMES
     assert all(code.shape[0] == 10 and torch.isfinite(audio).all() for code, audio in zip(out.codes, out.audio))
+    if not eight_bit:  # the forward calls took the chosen path
+        packed = [getattr(module.weight.quant_state, "packing_format_for_cpu", False) for _, module in quantised]
+        assert packed == [path == "packed"] * len(quantised)
+
+
+def test_4bit_keeps_the_linears_the_packed_cpu_kernel_cannot_take_in_full_precision():
+    golden = FishOmniForSpeech.config_class.from_pretrained(GOLDEN_TINY)
+    model = _meta_model(golden)
+    unfit = ["in_proj_b", "in_proj_a", "shared_expert_gate"]  # 2, 2 and 1 outputs
+    _, four_bit = prepare_quantization(golden, BitsAndBytesConfig(load_in_4bit=True), model)
+    assert four_bit.llm_int8_skip_modules == BNB_SKIP_MODULES + unfit
+    _, own_list = prepare_quantization(golden, BitsAndBytesConfig(load_in_4bit=True, llm_int8_skip_modules=["lm_head"]),
+                                       model)
+    assert own_list.llm_int8_skip_modules == ["lm_head"] + unfit  # the tower's linears all fit
+    _, eight_bit = prepare_quantization(golden, BitsAndBytesConfig(load_in_8bit=True), model)
+    assert eight_bit.llm_int8_skip_modules == BNB_SKIP_MODULES
+
+
+def test_the_real_model_keeps_only_its_shared_expert_gates_out_of_4bit():
+    config = FishOmniConfig()  # the real geometry
+    model = _meta_model(config)
+    unfit = cpu_unpackable_4bit_linears(model, BNB_SKIP_MODULES)
+    layers = config.text_config.num_hidden_layers
+    assert unfit == [f"backbone.layers.{index}.mlp.shared_expert_gate" for index in range(layers)]
+    _, four_bit = prepare_quantization(config, BitsAndBytesConfig(load_in_4bit=True), model)
+    assert four_bit.llm_int8_skip_modules == BNB_SKIP_MODULES + ["shared_expert_gate"]
+
+
+def test_a_skip_pattern_never_keeps_a_linear_that_fits():
+    """A module name shared with a linear that fits would keep that one too: such modules are listed in full."""
+    model = nn.ModuleDict({"a": nn.ModuleDict({"gate": nn.Linear(64, 1)}),
+                           "b": nn.ModuleDict({"gate": nn.Linear(64, 64)})})
+    unfit = cpu_unpackable_4bit_linears(model, [])
+    assert unfit == ["a.gate"]
+    assert skip_patterns(model, unfit, []) == ["a.gate"]
+    model["b"]["gate"] = nn.Linear(64, 3)
+    assert skip_patterns(model, cpu_unpackable_4bit_linears(model, []), []) == ["gate"]
 
 
 def test_a_user_skip_list_replaces_the_default_but_the_codec_stays_plain():
@@ -101,19 +197,20 @@ def test_a_user_skip_list_replaces_the_default_but_the_codec_stays_plain():
     assert model.config.quantization_config.llm_int8_skip_modules == ["lm_head"]  # the codec needs no entry
 
 
-def test_prepare_quantization_leaves_the_callers_objects_alone(reference):
+def test_prepare_quantization_leaves_the_callers_objects_alone():
     config = BitsAndBytesConfig(load_in_8bit=True)
-    checkpoint_config = reference.config.__class__.from_pretrained(GOLDEN_TINY)
-    new_config, quantization = prepare_quantization(checkpoint_config, config)
+    checkpoint_config = FishOmniForSpeech.config_class.from_pretrained(GOLDEN_TINY)
+    new_config, quantization = prepare_quantization(checkpoint_config, config, _meta_model(checkpoint_config))
     assert config.llm_int8_skip_modules is None
     assert checkpoint_config.quantization_config["quant_method"] == "bsgemm-moe"
     assert not hasattr(new_config, "quantization_config") or new_config.quantization_config is None
     assert quantization.quant_method == "bsgemm-moe+bitsandbytes_8bit"
 
 
-def test_forcing_dequantisation_is_accepted(reference):
-    model = _load(BsgemmMoeConfig(dequantize=True))
-    assert torch.equal(model.backbone.layers[1].mlp.experts.down_proj, reference.backbone.layers[1].mlp.experts.down_proj)
+def test_forcing_dequantisation_is_accepted(reference, checkpoint):
+    model = _load(BsgemmMoeConfig(dequantize=True), checkpoint)
+    experts, reference_experts = model.backbone.layers[1].mlp.experts, reference.backbone.layers[1].mlp.experts
+    assert torch.equal(experts.down_proj, reference_experts.down_proj)
 
 
 def test_another_quantization_method_gives_transformers_conflict_error():

@@ -13,22 +13,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from transformers_drama3 import Drama3Processor, Drama3Voice, FishOmniForSpeech, synthesize
+from transformers_drama3 import Drama3Voice, synthesize
 
-from .conftest import GOLDEN_TINY
 
 EXAMPLES = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 FINISH_REASONS = {"eos", "length", "context", "stop"}
 
 
 @pytest.fixture(scope="module")
-def model():
-    return FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+def model(golden_model):
+    return golden_model  # the session's (conftest.py): these tests change nothing in it
 
 
 @pytest.fixture(scope="module")
-def processor():
-    return Drama3Processor.from_pretrained(GOLDEN_TINY)
+def processor(golden_processor):
+    return golden_processor
 
 
 def cleanly(call):

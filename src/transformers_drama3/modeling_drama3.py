@@ -454,7 +454,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         fp8_experts = checkpoint_quant_method(config) == BSGEMM_MOE
         check_checkpoint_tensors(shards, expected_checkpoint_tensors(skeleton, shards, fp8_experts))
         if kwargs.get("quantization_config") is not None:
-            config, kwargs["quantization_config"] = prepare_quantization(config, kwargs["quantization_config"])
+            config, kwargs["quantization_config"] = prepare_quantization(
+                config, kwargs["quantization_config"], skeleton
+            )
 
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
         attach_codec(loaded[0] if isinstance(loaded, tuple) else loaded, codec_state, codec_device)

@@ -12,7 +12,8 @@ A user's `BitsAndBytesConfig` (8-bit or 4-bit, dense linears only) is combined w
 `prepare_quantization`: transformers accepts one quantization method per load and refuses a config of another
 class than the checkpoint's, so the load runs the bitsandbytes quantizer extended with the FP8 experts'
 dequantisation (`Bnb8BitWithFp8Experts` / `Bnb4BitWithFp8Experts`, registered under internal method names). The
-loaded model's config then says plain `bitsandbytes`.
+loaded model's config then says plain `bitsandbytes`. For 4-bit, linears that bitsandbytes' AVX512-BF16 CPU kernel
+cannot take are kept in full precision on every machine (`cpu_unpackable_4bit_linears`; docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch import nn
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -29,6 +31,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.quantizer_bnb_4bit import Bnb4BitHfQuantizer
 from transformers.quantizers.quantizer_bnb_8bit import Bnb8BitHfQuantizer
 from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
+from transformers.quantizers.quantizers_utils import should_convert_module
 from transformers.utils import logging
 from transformers.utils.quantization_config import BitsAndBytesConfig, FineGrainedFP8Config
 
@@ -42,6 +45,10 @@ NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
 # lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB). The
 # codec is never quantised: it joins the model after loading (see `codec_file`).
 BNB_SKIP_MODULES = ["lm_head", "tower"]
+# On a CPU with AVX512-BF16, bitsandbytes (0.50) runs 4-bit linears through a kernel that repacks each weight in
+# blocks of 32 output rows on the first forward call (`_convert_weight_packed_for_cpu`) and asserts that
+# out_features is a multiple of 32 and in_features is even. Other CPUs and GPUs have no such limit.
+BNB_CPU_4BIT_ROW_BLOCK = 32
 
 
 class BsgemmMoeConfig(FineGrainedFP8Config):
@@ -180,6 +187,31 @@ def with_default_skip_modules(config: BitsAndBytesConfig) -> BitsAndBytesConfig:
     return config
 
 
+def cpu_unpackable_4bit_linears(model: nn.Module, skip_modules: list[str]) -> list[str]:
+    """Names of the linears that bitsandbytes would quantise to 4-bit (plain `nn.Linear`, not matched by
+    `skip_modules` with transformers' own matching) whose shape its AVX512-BF16 CPU kernel cannot repack."""
+    return [
+        name
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear  # what transformers' `replace_with_bnb_linear` replaces
+        and should_convert_module(name, skip_modules)
+        and (module.out_features % BNB_CPU_4BIT_ROW_BLOCK or module.in_features % 2)
+    ]
+
+
+def skip_patterns(model: nn.Module, names: list[str], skip_modules: list[str]) -> list[str]:
+    """Patterns for `llm_int8_skip_modules` that keep exactly `names` out of the quantised linears: a module's own
+    name ("shared_expert_gate", matched as a suffix in every layer) where it matches no other quantised linear, else
+    the full names."""
+    quantised = [name for name, module in model.named_modules()
+                 if type(module) is nn.Linear and should_convert_module(name, skip_modules)]
+    patterns = []
+    for leaf in dict.fromkeys(name.rpartition(".")[2] for name in names):
+        matched = {name for name in quantised if not should_convert_module(name, [leaf])}
+        patterns += [leaf] if matched <= set(names) else [name for name in names if name.rpartition(".")[2] == leaf]
+    return patterns
+
+
 def checkpoint_quant_method(config) -> str | None:
     """The `quant_method` of `config.quantization_config` (a dict from config.json or a config object), or None."""
     quantization = getattr(config, "quantization_config", None)
@@ -188,16 +220,32 @@ def checkpoint_quant_method(config) -> str | None:
     return getattr(quantization, "quant_method", None)
 
 
-def prepare_quantization(config, quantization_config):
+def prepare_quantization(config, quantization_config, model: nn.Module):
     """`(config, quantization_config)` to give transformers' `from_pretrained` for a Drama 3 checkpoint.
 
-    A `BitsAndBytesConfig` gets the default skip list; on a `bsgemm-moe` checkpoint it becomes the combined
-    method and the checkpoint's own quantization_config is dropped from (a copy of) `config`. Anything else passes
-    unchanged: transformers then reports a conflict with the checkpoint's method itself.
+    `model` is the model built from `config` (on the meta device: only module names and shapes are read). A
+    `BitsAndBytesConfig` gets the default skip list; for 4-bit, the linears bitsandbytes' AVX512-BF16 CPU kernel
+    cannot take (`cpu_unpackable_4bit_linears`: in the real model the 40 `shared_expert_gate` linears, 2048 -> 1) are
+    added to it, on every machine: quantising them would save a few kB, while on such a CPU bitsandbytes fails on
+    them at the first forward call, and a model that loads the same way everywhere saves and moves safely. On a
+    `bsgemm-moe` checkpoint the config becomes the combined method and the checkpoint's own quantization_config is
+    dropped from (a copy of) `config`. Anything else passes unchanged: transformers then reports a conflict with
+    the checkpoint's method itself.
     """
     if not isinstance(quantization_config, BitsAndBytesConfig):
         return config, quantization_config
     quantization_config = with_default_skip_modules(quantization_config)
+    if quantization_config.load_in_4bit:
+        skip = quantization_config.llm_int8_skip_modules
+        unpackable = cpu_unpackable_4bit_linears(model, skip)
+        if unpackable:
+            added = skip_patterns(model, unpackable, skip)
+            logger.info(
+                f"bitsandbytes 4-bit: {len(unpackable)} linear(s) kept in full precision ({', '.join(added)}): their "
+                f"output size is not a multiple of {BNB_CPU_4BIT_ROW_BLOCK} or their input size is odd, which "
+                "bitsandbytes' AVX512-BF16 CPU kernel cannot take (see docs/hardware.md)."
+            )
+            quantization_config.llm_int8_skip_modules = skip + added
     if checkpoint_quant_method(config) == BSGEMM_MOE:
         config = copy.deepcopy(config)
         del config.quantization_config

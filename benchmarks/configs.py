@@ -49,9 +49,10 @@ def model_config(name: str, layers: int | None = None) -> FishOmniConfig:
     """The configuration `name`, with only its first `layers` backbone layers when given."""
     source = {"tiny": tiny_config_dict(), "small": SMALL_CONFIG, "topology": TOPOLOGY_CONFIG}.get(name)
     config = FishOmniConfig() if source is None else FishOmniConfig(**with_band_at_top(source))
-    if layers is not None:
+    if layers is not None:  # at most the layers the configuration has
         text = config.text_config
-        text.layer_types, text.num_hidden_layers = text.layer_types[:layers], layers
+        text.layer_types = text.layer_types[:layers]
+        text.num_hidden_layers = len(text.layer_types)
     return config
 
 

@@ -195,10 +195,10 @@ def test_finish_reasons_are_summed_up_in_one_note(tmp_path, capsys):
                      "raise --max-new-tokens if speech was cut"]
 
 
-def test_ranges():
-    assert cli._ranges([0]) == "1"
-    assert cli._ranges([0, 1, 2, 5, 7, 8]) == "1-3, 6, 8-9"
-    assert cli._ranges([0, 2, 4, 6, 8, 10, 12]) == "1, 3, 5, 7, 9, ..."
+def test_chunk_ranges():
+    assert cli.chunk_ranges([0]) == "1"
+    assert cli.chunk_ranges([0, 1, 2, 5, 7, 8]) == "1-3, 6, 8-9"
+    assert cli.chunk_ranges([0, 2, 4, 6, 8, 10, 12]) == "1, 3, 5, 7, 9, ..."
 
 
 def test_summary_of_a_checkpoint(capsys):

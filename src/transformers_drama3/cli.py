@@ -517,11 +517,11 @@ def _say_finish_reasons(notes: _Notes, reasons: list[str], default_frames: int, 
         cut = [index for index, each in enumerate(reasons) if each == reason]
         if not cut:
             continue
-        which = "the speech" if len(reasons) == 1 else f"{len(cut)} of {len(reasons)} chunks ({_ranges(cut)})"
+        which = "the speech" if len(reasons) == 1 else f"{len(cut)} of {len(reasons)} chunks ({chunk_ranges(cut)})"
         notes.say(f"note: {which} stopped at {limit} before the end of speech: {remedy}")
 
 
-def _ranges(indices: list[int]) -> str:
+def chunk_ranges(indices: list[int]) -> str:
     """Zero-based indices as one-based ranges: [0, 1, 2, 5] -> "1-3, 6" (at most 5 ranges, then "...")."""
     spans: list[list[int]] = []
     for index in indices:

@@ -669,3 +669,13 @@ def test_pickle_marker_helper_really_writes(tmp_path):
     marker = tmp_path / "ran"
     pickle.loads(pickle.dumps(_WritesAFile(marker))).close()
     assert os.path.exists(marker)
+
+
+def test_the_original_layout_written_back_loads_to_the_same_weights_bit_for_bit(tiny_config):
+    """`original_state_dict` unfolds weight norm (v = W, g = the norms `torch._weight_norm` computes) and the VQ
+    output projections: the original `codec.pth` keys and shapes, folded back to exactly the same codec."""
+    codec = FishDACCodec.from_codec_file(GOLDEN_TINY / "codec.pth", tiny_config)
+    original = codec.original_state_dict()
+    assert {name: tuple(tensor.shape) for name, tensor in original.items()} == original_codec_key_shapes(tiny_config)
+    again = FishDACCodec.from_codec_state_dict(original, tiny_config)
+    assert all(torch.equal(a, b) for a, b in zip(codec.state_dict().values(), again.state_dict().values()))

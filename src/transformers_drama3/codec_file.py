@@ -79,9 +79,9 @@ def without_codec(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 
 def write_codec_file(codec: FishDACCodec, directory: str) -> None:
-    """Write `directory/codec.pth`: the codec's folded state dict (`codec.state_dict()`), which `read_codec_file`
-    and `FishDACCodec.from_codec_file` load back bit for bit."""
-    torch.save(codec.state_dict(), os.path.join(directory, CODEC_FILE))
+    """Write `directory/codec.pth` in the original layout (`codec.original_state_dict()`), which the official tools
+    read and which `read_codec_file` and `FishDACCodec.from_codec_file` load back to the same weights, bit for bit."""
+    torch.save(codec.original_state_dict(), os.path.join(directory, CODEC_FILE))
 
 
 __all__ = ["CODEC_FILE", "CODEC_MODULE", "attach_codec", "read_codec_file", "take_codec_placement",

@@ -398,14 +398,20 @@ class VectorQuantizer(nn.Module):
     """One codebook. Encode: nearest entry by cosine similarity of `in_proj(z)`; decode: row of a folded table.
 
     `table[i] = out_proj(codebook[i])` (`[codebook_size, dim]`, bias included) is folded at load time, so decoding
-    a code is a single lookup.
+    a code is a single lookup; `out_proj` itself is kept for writing the original `codec.pth` layout back.
     """
 
     def __init__(self, dim: int, codebook_size: int, codebook_dim: int):
         super().__init__()
         self.in_proj = nn.Linear(dim, codebook_dim)
         self.codebook = nn.Parameter(torch.zeros(codebook_size, codebook_dim))
+        self.out_proj = nn.Linear(codebook_dim, dim)
         self.table = nn.Parameter(torch.zeros(codebook_size, dim))
+
+    @torch.no_grad()
+    def fold(self) -> None:
+        """Recompute `table` from `codebook` and `out_proj` (after either changed)."""
+        self.table.copy_(self.out_proj(self.codebook.float()).to(self.table.dtype))
 
     def encode(self, z: Tensor) -> Tensor:  # [batch, dim, time] -> ids [batch, time]
         latents = F.normalize(self.in_proj(z.transpose(1, 2)), dim=-1)  # [batch, time, codebook_dim]
@@ -615,7 +621,7 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
                 init.zeros_(module.bias)
         elif isinstance(module, VectorQuantizer):
             init.normal_(module.codebook)
-            init.normal_(module.table)
+            init.normal_(module.table)  # `out_proj` (a Linear) is drawn as such; `fold()` makes the two agree
         elif isinstance(module, Snake):
             init.ones_(module.alpha)
         elif isinstance(module, (RMSNorm, nn.LayerNorm)):
@@ -684,6 +690,13 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
             for prefix, kind, module in _original_layout(self):
                 names = _FORMATS[kind][0](module)
                 _FORMATS[kind][1](module, {name: state_dict[f"{prefix}.{name}"] for name in names})
+
+    def original_state_dict(self) -> dict[str, Tensor]:
+        """The codec's weights in the original `codec.pth` layout (float32, weight norm and VQ output projections
+        unfolded), as the official tools read it; `load_original_state_dict` folds them back to the same weights,
+        bit for bit."""
+        return {f"{prefix}.{name}": tensor for prefix, kind, module in _original_layout(self)
+                for name, tensor in _FORMATS[kind][2](module).items()}
 
 
 class FishDACStreamingDecoder:
@@ -795,7 +808,7 @@ def _load_wn_conv(conv: CausalConv1d | CausalConvTranspose1d, tensors: dict[str,
 
 def _vq_shapes(vq: VectorQuantizer) -> dict[str, tuple[int, ...]]:
     size, codebook_dim = vq.codebook.shape
-    dim = vq.table.shape[1]
+    dim = vq.out_proj.weight.shape[0]
     return {
         "codebook.weight": (size, codebook_dim),
         "in_proj.weight_g": (codebook_dim, 1, 1),
@@ -810,14 +823,38 @@ def _vq_shapes(vq: VectorQuantizer) -> dict[str, tuple[int, ...]]:
 def _load_vq(vq: VectorQuantizer, tensors: dict[str, Tensor]) -> None:
     in_proj = _fold_weight_norm(tensors["in_proj.weight_g"], tensors["in_proj.weight_v"])[..., 0]  # [cb_dim, dim]
     out_proj = _fold_weight_norm(tensors["out_proj.weight_g"], tensors["out_proj.weight_v"])[..., 0]  # [dim, cb_dim]
-    codebook = tensors["codebook.weight"].float()  # [size, cb_dim]
     vq.in_proj.weight.copy_(in_proj)
     vq.in_proj.bias.copy_(tensors["in_proj.bias"])
-    vq.codebook.copy_(codebook)
-    vq.table.copy_(codebook @ out_proj.T + tensors["out_proj.bias"].float())  # [size, dim]
+    vq.codebook.copy_(tensors["codebook.weight"])
+    vq.out_proj.weight.copy_(out_proj)
+    vq.out_proj.bias.copy_(tensors["out_proj.bias"])
+    vq.fold()  # [size, dim]
 
 
-def _renamed(rename: Callable[[str], str]) -> tuple[Callable, Callable]:
+def _weight_norm_parts(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """`(g, v)` of a folded weight in the original weight-norm layout: `v = W` and `g` the norms of `W` over every dim
+    but 0 exactly as `torch._weight_norm` computes them (its interface returns them), so folding them again gives
+    `W * (g / g) = W`, bit for bit."""
+    weight = weight.detach().float()
+    _, norms = torch._weight_norm_interface(weight, torch.ones_like(weight[:, :1, :1]), 0)
+    return norms, weight
+
+
+def _dump_wn_conv(conv: CausalConv1d | CausalConvTranspose1d) -> dict[str, Tensor]:
+    g, v = _weight_norm_parts(conv.weight)
+    return {"conv.parametrizations.weight.original0": g, "conv.parametrizations.weight.original1": v,
+            "conv.bias": conv.bias.detach().float()}
+
+
+def _dump_vq(vq: VectorQuantizer) -> dict[str, Tensor]:
+    in_g, in_v = _weight_norm_parts(vq.in_proj.weight[..., None])  # conv1d weights [out, in, 1]
+    out_g, out_v = _weight_norm_parts(vq.out_proj.weight[..., None])
+    return {"codebook.weight": vq.codebook.detach().float(), "in_proj.weight_g": in_g, "in_proj.weight_v": in_v,
+            "in_proj.bias": vq.in_proj.bias.detach().float(), "out_proj.weight_g": out_g,
+            "out_proj.weight_v": out_v, "out_proj.bias": vq.out_proj.bias.detach().float()}
+
+
+def _renamed(rename: Callable[[str], str]) -> tuple[Callable, Callable, Callable]:
     """Format whose original names map one to one onto the module's parameters (no folding)."""
 
     def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -827,17 +864,21 @@ def _renamed(rename: Callable[[str], str]) -> tuple[Callable, Callable]:
         for name, param in module.named_parameters():
             param.copy_(tensors[rename(name)])
 
-    return shapes, load
+    def dump(module: nn.Module) -> dict[str, Tensor]:
+        return {rename(name): param.detach().float() for name, param in module.named_parameters()}
+
+    return shapes, load, dump
 
 
-# format -> (original tensor shapes of a module, loader of those tensors into the module)
-_FORMATS: dict[str, tuple[Callable, Callable]] = {
+# format -> (original tensor shapes of a module, loader of those tensors into the module, the module's tensors in
+# the original layout)
+_FORMATS: dict[str, tuple[Callable, Callable, Callable]] = {
     "snake": _renamed(lambda name: name),
-    "wn_conv": (_wn_conv_shapes, _load_wn_conv),
+    "wn_conv": (_wn_conv_shapes, _load_wn_conv, _dump_wn_conv),
     "conv": _renamed(lambda name: f"conv.{name}"),
     "convnext": _renamed(lambda name: name.replace("dwconv.", "dwconv.conv.")),
     "transformer": _renamed(lambda name: name),
-    "vq": (_vq_shapes, _load_vq),
+    "vq": (_vq_shapes, _load_vq, _dump_vq),
 }
 
 

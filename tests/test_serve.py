@@ -59,7 +59,10 @@ def server(voices_dir):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT) as client:
+    # A new connection per request: a kept-alive one could be closed by uvicorn (5 s idle timeout) while the test
+    # computes its reference between two requests, racing the next request ("Server disconnected").
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT, limits=limits) as client:
         yield client
 
 

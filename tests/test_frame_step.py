@@ -29,7 +29,7 @@ from transformers_drama3.sampling import FrameSampler
 from transformers_drama3.streaming import Drama3AudioStreamer
 
 from .conftest import GOLDEN_TINY, left_padded
-from .tolerances import backbone_reductions, reordering_tolerance
+from .tolerances import backbone_reductions, codebook_logit_reductions, reordering_tolerance
 
 
 
@@ -331,3 +331,27 @@ def test_a_model_that_generated_can_be_deep_copied(model, prompt):
     copied = copy.deepcopy(model)  # the states hold a lock, which cannot be copied: a copy starts without them
     assert torch.equal(copied.generate(prompt, do_sample=False, max_new_tokens=4, output_audio=False).sequences,
                        model.generate(prompt, do_sample=False, max_new_tokens=4, output_audio=False).sequences)
+
+
+def test_every_frames_codebook_logits_equal_the_uncached_teacher_forced_ones(model64, prompt, monkeypatch):
+    """The tower's head logits of every generated frame (codes 1..9, each from the codes drawn before it) equal the
+    teacher-forced tower logits of one uncached pass over the prompt and the frames (within rounding), so no cache
+    slot, mask entry or position of the tower is off, even where it would not change an argmax."""
+    heads, decode = [], type(model64.tower).decode_codes
+
+    def recording(tower, *args, **kwargs):
+        codes, logits = decode(tower, *args, **kwargs)
+        heads.append(logits.clone())
+        return codes, logits
+
+    monkeypatch.setattr(type(model64.tower), "decode_codes", recording)
+    with no_eos(model64):
+        out = model64.generate(prompt, do_sample=False, max_new_tokens=8, output_audio=False)
+        with torch.no_grad():
+            full = model64(out.sequences).codebook_logits[0]  # [T + 8, NCB - 1, V]
+    rows = prompt.shape[1]
+    for k in range(8):  # frame k is row rows + k, predicted from row rows + k - 1
+        reference = full[rows + k]
+        tolerance = reordering_tolerance(reference.float(),
+                                         codebook_logit_reductions(model64.config, rows + k + 1))
+        torch.testing.assert_close(heads[k][0], reference, **tolerance, msg=f"frame {k + 1}")

@@ -173,6 +173,40 @@ def test_streamed_audio_equals_the_one_shot_audio(model, prompt):
                                **reordering_tolerance(out.audio[0], codec_decode_reductions(model.codec)))
 
 
+def test_three_sequences_that_end_one_by_one_each_get_their_frames_alone(model, expected):
+    """Three prompts ending after 12, 7 and 18 greedy frames: the batch shrinks twice (3 -> 2 -> 1 running), and every
+    sequence keeps the frames it makes alone, so the running ones keep their own state rows when it shrinks."""
+    a = expected["prompt_a_rows"]
+    prompts = (a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
+    batch, mask = left_padded(*prompts)
+    together = model.generate(batch, attention_mask=mask, do_sample=False, max_new_tokens=30, stop_check_interval=1,
+                              output_audio=False)
+    for index, prompt_rows in enumerate(prompts):
+        alone = model.generate(prompt_rows[None], do_sample=False, max_new_tokens=30, output_audio=False)
+        assert torch.equal(together.codes[index], alone.codes[0]) and together.finish_reason[index] == "eos"
+    assert [codes.shape[1] for codes in together.codes] == [12, 7, 18]
+
+
+def test_right_padding_is_realigned_by_generate_and_refused_by_forward(model, expected):
+    """`generate` moves padding on the right (transformers' pipeline collator pads that way) to the left; `forward`
+    aligns its outputs with its inputs, so it refuses padding anywhere but on the left."""
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    left, left_mask = left_padded(a, b)
+    right, right_mask = torch.zeros_like(left), torch.zeros_like(left_mask)
+    for index, rows in enumerate((a, b)):
+        right[index, : rows.shape[0]], right_mask[index, : rows.shape[0]] = rows, 1
+    settings = {"do_sample": False, "max_new_tokens": 6, "output_audio": False}
+    assert torch.equal(model.generate(right, attention_mask=right_mask, **settings).sequences,
+                       model.generate(left, attention_mask=left_mask, **settings).sequences)
+    with pytest.raises(ValueError, match="padding .* after real rows"):
+        model(right, attention_mask=right_mask)
+    holes = left_mask.clone()
+    longest = int(left_mask[:, 0].argmax())  # the sequence without padding
+    holes[longest, 5] = 0  # padding inside a sequence
+    with pytest.raises(ValueError, match="padding .* after real rows"):
+        model.generate(left, attention_mask=holes, **settings)
+
+
 def test_a_streamed_batch_gives_each_sequence_its_own_audio_as_soon_as_it_ends(model, expected):
     """Batch streaming with `on_audio`: each sequence's chunks join into its one-shot audio (the codec's streaming
     bound, as above), and a sequence's end mark comes right after its last frame, while the other one still runs."""

@@ -26,8 +26,10 @@ ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(autouse=True)
-def _reuse_the_model(golden_model, monkeypatch):
-    """In-process runs share one loaded golden model (loading itself is tested by the subprocess run)."""
+def _reuse_the_model(golden_model, monkeypatch, tmp_path):
+    """In-process runs share one loaded golden model (loading itself is tested by the subprocess run); relative
+    paths such as `-o x.wav` land in a per-test folder, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
     load_model = cli.load_model
     monkeypatch.setattr(cli, "load_model", lambda path, device, dtype: golden_model
                         if (path, dtype) == (str(GOLDEN_TINY), torch.float32) else load_model(path, device, dtype))
@@ -234,6 +236,7 @@ def test_summary_of_a_checkpoint(capsys):
 def test_usage_errors_exit_2(capsys, args, message):
     status, out, err = _main(capsys, *args)
     assert status == 2 and message in err and out == ""
+    assert os.listdir() == []  # refused before anything is written
 
 
 @pytest.mark.parametrize(
@@ -244,6 +247,7 @@ def test_sampling_settings_are_checked_by_the_model_rules_before_loading(capsys,
     """One source of truth: `generation_settings` decides, the message names the flag."""
     status, out, err = _main(capsys, *MODEL, "Hello.", "-o", "x.wav", flag, value)
     assert status == 2 and f"error: {flag}" in err.replace("`", "") and "loading" not in err and out == ""
+    assert os.listdir() == []
 
 
 @pytest.mark.parametrize(

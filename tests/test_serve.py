@@ -12,15 +12,18 @@ import socket
 import subprocess
 import sys
 import time
+import wave
 
 import httpx
 import numpy as np
 import openai
 import pytest
 import soundfile
+import soxr
 import torch
 
 from transformers_drama3 import cli
+from transformers_drama3.audio_io import OGG_SERIAL, set_ogg_serial
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving import cli as serving_cli
@@ -51,7 +54,7 @@ def server(voices_dir):
     settings = ServerSettings(
         model=str(GOLDEN_TINY), model_name=MODEL, voices_dir=voices_dir, api_key=KEY, max_batch=16,
         batch_window_ms=100, max_text_chars=MAX_TEXT_CHARS, max_body_bytes=MAX_BODY_BYTES, max_frames=MAX_FRAMES,
-        max_reference_seconds=MAX_REFERENCE_SECONDS, chunk_bytes=CHUNK_BYTES,
+        max_reference_seconds=MAX_REFERENCE_SECONDS, chunk_bytes=CHUNK_BYTES, voice_aliases={"nova": "me"},
     )
     with ServerThread(settings).wait_until_ready(TIMEOUT) as running:
         yield running
@@ -166,6 +169,105 @@ def test_missing_encoder_is_a_clear_error(http, monkeypatch):
     monkeypatch.setattr(soundfile, "check_format", lambda f, s=None: f != "MP3" and check_format(f, s))
     error = speech(http, input="Hi.", response_format="mp3").json()["error"]
     assert error["code"] == "format_unavailable" and "MP3" in error["message"] and "soundfile" in error["message"]
+
+
+def int16(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, dtype="<i2")
+
+
+def resampling_rounding_bound(orig: int, target: int) -> int:
+    """Largest difference, in 16-bit steps, between resampling rounded 16-bit audio and rounding resampled audio:
+    each input sample is off by at most 0.5 step, which the (linear) resampler turns into at most 0.5 times the
+    largest L1 norm of its rows of taps; the output's own rounding adds 0.5. The rows are measured by resampling
+    unit impulses, one column each (soxr's filter is not published as taps)."""
+    size = 600
+    columns = [soxr.resample(np.eye(size, dtype=np.float64)[:, i], orig, target, quality="HQ") for i in range(size)]
+    rows = np.abs(np.stack(columns, axis=1))[50:-50]  # [output samples, input impulses], away from the edges
+    return int(np.ceil(0.5 * rows.sum(axis=1).max() + 0.5))
+
+
+def test_openai_client_as_openai_documents_it(server):
+    """`voice="alloy"`, `model="tts-1"`: pcm at OpenAI's 24 kHz (the same speech as our 44.1 kHz, resampled), and
+    mp3 as a complete file or streamed."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+    settings = {"extra_body": {"temperature": 0, "max_new_tokens": 6}}
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="Hello there.",
+                                                           response_format="pcm", **settings) as streamed:
+        assert streamed.headers["x-sample-rate"] == "24000"
+        at_24k = int16(b"".join(streamed.iter_bytes()))
+    native = client.audio.speech.create(model=MODEL, voice="default", input="Hello there.", response_format="pcm",
+                                        **settings)
+    at_44k = int16(native.content)
+    expected = soxr.resample(at_44k.astype(np.float64), 44100, 24000, quality="HQ")
+    assert at_24k.shape == expected.shape == (round(len(at_44k) * 24000 / 44100),)
+    assert np.abs(at_24k - expected).max() <= resampling_rounding_bound(44100, 24000)
+
+    mp3 = client.audio.speech.create(model="tts-1", voice="alloy", input="Hello there.", response_format="mp3",
+                                     **settings)
+    samples, rate = soundfile.read(io.BytesIO(mp3.content), dtype="int16")
+    assert rate == 44100 and samples.shape[0] >= len(at_44k)  # the encoder adds its padding
+    with client.audio.speech.with_streaming_response.create(model="tts-1", voice="alloy", input="Hello there.",
+                                                           response_format="mp3", **settings) as streamed:
+        streamed_mp3 = b"".join(streamed.iter_bytes())
+    # The stream keeps libsndfile's first MPEG frame as first written (128 kb/s: 144 * 128000 // 44100 bytes);
+    # the complete file's holds the Xing length header. Every frame after it is the same.
+    first_frame = 144 * 128000 // 44100
+    assert len(streamed_mp3) == len(mp3.content) and streamed_mp3[first_frame:] == mp3.content[first_frame:]
+
+
+def test_streamed_opus_is_the_complete_file_but_its_serial(http):
+    body = {"input": "Hello there.", "temperature": 0, "max_new_tokens": 6, "response_format": "opus"}
+    with http.stream("POST", "/v1/audio/speech", json={"model": MODEL, **body}) as streamed:
+        assert streamed.headers["x-sample-rate"] == "48000"
+        data = io.BytesIO(b"".join(streamed.iter_bytes()))
+    complete = speech(http, stream=False, **body)
+    set_ogg_serial(data, OGG_SERIAL)
+    assert data.getvalue() == complete.content
+
+
+def test_every_wav_reads_with_the_wave_module(http):
+    body = {"input": "Hello there.", "temperature": 0, "max_new_tokens": 5, "response_format": "wav"}
+    complete = speech(http, **body)
+    with wave.open(io.BytesIO(complete.content)) as reader:
+        assert reader.getframerate() == 44100 and reader.getnframes() == 5 * 2048
+        samples = reader.readframes(reader.getnframes())
+    assert complete.headers["content-length"] == str(len(complete.content))
+    with http.stream("POST", "/v1/audio/speech", json={"model": MODEL, "stream": True, **body}) as streamed:
+        data = b"".join(streamed.iter_bytes())
+    with wave.open(io.BytesIO(data)) as reader:  # sizes unknown (0xFFFFFFFF): read to the end of the data
+        assert reader.readframes(reader.getnframes()) == samples
+
+
+def test_sglang_omni_request_fields(http):
+    """A request as sglang-omni's clients write it: `speaker`, `stream`, `references` with `data`/`text` (or
+    `ref_audio`/`ref_text`), `language`, `repetition_penalty` 1.0."""
+    audio = base64.b64encode(sine_wav(1.0)).decode()
+    common = {"input": "Hello there.", "speaker": "default", "stream": True, "response_format": "pcm",
+              "language": "English", "repetition_penalty": 1.0, "temperature": 0, "max_new_tokens": 4}
+    pieces = []
+    with http.stream("POST", "/v1/audio/speech", json={"model": MODEL, **common, "references": [
+            {"data": f"data:audio/wav;base64,{audio}", "text": "This is my voice.", "media_type": "audio/wav"}]}) as sg:
+        assert sg.status_code == 200 and sg.headers["x-sample-rate"] == "44100"
+        pieces = list(sg.iter_bytes())
+    with_ref = http.post("/v1/audio/speech", json={"model": MODEL, **common, "ref_audio": audio,
+                                                   "ref_text": "This is my voice."})
+    ours = speech(http, input="Hello there.", temperature=0, max_new_tokens=4, response_format="pcm",
+                  references=[{"audio": audio, "transcript": "This is my voice."}])
+    assert b"".join(pieces) == with_ref.content == ours.content and len(ours.content) == 4 * 2048 * 2
+
+
+def test_top_k_zero_means_no_limit(http):
+    body = {"input": "Hello there.", "seed": 3, "max_new_tokens": 4, "response_format": "pcm"}
+    assert speech(http, top_k=0, **body).content == speech(http, **body).content
+
+
+def test_errors_in_the_users_terms(http):
+    form = http.post("/v1/audio/speech", data={"model": MODEL, "input": "Hi."})
+    assert form.status_code == 400 and "must be a JSON object" in form.json()["error"]["message"]
+    upload = http.post("/v1/voices", data={"name": "notaudio", "transcript": "Hi."},
+                       files={"audio": ("a.wav", b"this is text, not audio", "audio/wav")})
+    message = upload.json()["error"]["message"]
+    assert upload.status_code == 400 and "not a readable audio file" in message and "BytesIO" not in message
 
 
 # -- batching, long text, disconnects, failures -----------------------------------------------------------------
@@ -295,6 +397,8 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     voice = Drama3Voice.load(voices_dir / "me.safetensors")
     output = model.generate(**processor("Hello there.", references=[voice]), do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
+    aliased = speech(http, input="Hello there.", voice="nova", temperature=0, max_new_tokens=4, response_format="wav")
+    assert aliased.content == response.content  # --voice-alias nova=me
 
 
 def test_request_references_clone_a_voice(http, reference):
@@ -322,9 +426,13 @@ BAD_REQUESTS = [
     ({"voice": {"id": "../me"}}, 400, "voice", "a name, not a path"),
     ({"response_format": "aac"}, 400, "response_format", "unsupported response_format"),
     ({"response_format": "flac", "stream_format": "sse"}, 400, "response_format", "stream_format 'sse'"),
-    ({"temperature": -1}, 400, "temperature", "temperature must be"),  # the words of generation_settings
+    ({"temperature": -1}, 400, "temperature", "(send temperature 0 for greedy)"),  # generation_settings' words
     ({"top_p": 1.5}, 400, "top_p", "top_p must be"),
-    ({"top_k": 0}, 400, "top_k", "top_k must be >= 1"),
+    ({"top_k": -1}, 400, "top_k", "top_k must be an integer >= 1 (0 or None for no limit)"),
+    ({"ref_audio": "https://example.com/me.wav", "ref_text": "Hi."}, 400, "ref_audio", "fetches nothing"),
+    ({"ref_audio": base64.b64encode(sine_wav(1.0)).decode()}, 400, "ref_text", "empty"),
+    ({"response_format": "flac", "stream": True}, 400, "stream", "never streamed"),
+    ({"repetition_penalty": 1.2}, 400, "repetition_penalty", "without penalties"),
     ({"max_new_tokens": 0}, 400, "max_new_tokens", "max_new_tokens"),
     ({"max_new_tokens": MAX_FRAMES + 1}, 400, "max_new_tokens", "--max-frames"),
     ({"speed": 1.5}, 400, "speed", "speed 1.5 is not supported"),
@@ -403,10 +511,29 @@ def test_a_model_that_cannot_load_is_503(tmp_path):
         running.stop()
 
 
-def test_models_and_metrics(http):
+def metric(text: str, name: str) -> float:
+    """The value of one sample line `name ...` of Prometheus text (0 if absent)."""
+    found = [line.rsplit(" ", 1)[1] for line in text.splitlines() if line.startswith(name + " ")]
+    return float(found[0]) if found else 0.0
+
+
+def test_models_and_prometheus_metrics_count_every_request(server, http):
     assert [model["id"] for model in http.get("/v1/models").json()["data"]] == [MODEL]
-    metrics = http.get("/metrics").json()
-    assert metrics["ready"] is True and metrics["completed"] >= 0
+    before = http.get("/metrics").text
+    bad = 'drama3_http_requests_total{route="/v1/audio/speech",status="400"}'
+    ok = 'drama3_http_requests_total{route="/v1/audio/speech",status="200"}'
+    assert speech(http, input="Hi.", top_p=2).status_code == 400
+    assert speech(http, input="Hi.", temperature=0, max_new_tokens=2, response_format="pcm").status_code == 200
+    unauthorised = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT)
+    after = http.get("/metrics")
+    assert after.headers["content-type"].startswith("text/plain") and unauthorised.status_code == 401
+    text = after.text
+    assert metric(text, bad) == metric(before, bad) + 1 and metric(text, ok) == metric(before, ok) + 1
+    assert metric(text, 'drama3_http_requests_total{route="/metrics",status="401"}') >= 1
+    assert metric(text, "drama3_time_to_first_audio_seconds_count") >= 1
+    assert metric(text, "drama3_queue_seconds_count") >= 1
+    assert metric(text, "drama3_frames_total") >= 2 and metric(text, "drama3_batch_occupancy") >= 0
+    assert metric(text, 'drama3_speech_requests_total{outcome="completed"}') >= 1
 
 
 # -- the command line --------------------------------------------------------------------------------------------

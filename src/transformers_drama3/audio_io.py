@@ -12,6 +12,7 @@ and an Ogg file gets a fixed stream serial number (`OGG_SERIAL`) instead of libs
 from __future__ import annotations
 
 import contextlib
+import io
 import math
 import os
 import secrets
@@ -24,8 +25,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-# Writable audio files: suffix -> (soundfile format, subtype).
-AUDIO_FILE_FORMATS = {".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+# Writable audio files: suffix -> (soundfile format, subtype). `.pcm` is headerless 16-bit little-endian mono.
+AUDIO_FILE_FORMATS = {
+    ".wav": ("WAV", "PCM_16"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS"),
+    ".mp3": ("MP3", "MPEG_LAYER_III"), ".opus": ("OGG", "OPUS"), ".pcm": ("RAW", "PCM_16"),
+}
+# Rates an encoder needs: Opus codes 8/12/16/24/48 kHz only, so 44.1 kHz speech is resampled to 48 kHz for it.
+ENCODER_RATES = {".opus": 48000}
 WRITE_BLOCK = 2048  # samples handed to the encoder at a time: one Drama 3 codec frame
 OGG_SERIAL = 0x44524133  # b"DRA3" read as a little-endian number: the stream serial of every Ogg file written here
 
@@ -44,8 +50,15 @@ def audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
         raise ValueError(f"cannot tell the audio format of {str(path)!r}: use one of {sorted(AUDIO_FILE_FORMATS)}")
     file_format, subtype = AUDIO_FILE_FORMATS[suffix]
     if not soundfile().check_format(file_format, subtype):
-        raise ValueError(f"this soundfile/libsndfile build cannot write {file_format} ({subtype}); use .wav")
+        raise ValueError(f"this soundfile/libsndfile build cannot write {file_format} ({subtype}): MP3 needs "
+                         "libsndfile >= 1.1 with LAME/mpg123 and Opus one with libopus, as in the soundfile wheels "
+                         "(pip install -U soundfile); or use .wav")
     return file_format, subtype
+
+
+def file_sampling_rate(path: str | os.PathLike, sampling_rate: int) -> int:
+    """The rate a file of `path`'s format holds audio of `sampling_rate` at (48 kHz for Opus, else unchanged)."""
+    return ENCODER_RATES.get(Path(path).suffix.lower(), sampling_rate)
 
 
 # Sampling rates audio is read at or resampled from: telephone-band recordings up to 768 kHz studio audio. Outside,
@@ -135,17 +148,27 @@ class AudioFileWriter:
     `file` is an open binary file (or a path) and `path` names the format (its suffix, see `audio_file_format`).
     Samples `[n]` or `[n, channels]` are clipped to [-1, 1] and handed to the encoder in blocks of `WRITE_BLOCK`, and
     an Ogg file gets the serial `OGG_SERIAL` when closed, so the file's bytes depend on the samples only, not on the
-    sizes of the pieces: a streamed file equals the file `write_audio` makes of the same samples.
+    sizes of the pieces: a streamed file equals the file `write_audio` makes of the same samples. Audio for a format
+    that needs another rate (Opus: `ENCODER_RATES`), or given an `output_rate`, is resampled on the way by a
+    `soxr.ResampleStream`, whose output does not depend on the pieces either (it equals one `soxr.resample`).
+    `ogg_serial=False` leaves libsndfile's serial (for a file sent while it is written, which cannot be reworked).
     """
 
-    def __init__(self, file, path: str | os.PathLike, sampling_rate: int, channels: int = 1):
+    def __init__(self, file, path: str | os.PathLike, sampling_rate: int, channels: int = 1,
+                 output_rate: int | None = None, ogg_serial: bool = True):
         file_format, subtype = audio_file_format(path)
-        self.file, self.ogg = file, file_format == "OGG"
-        self.sound = soundfile().SoundFile(file, "w", sampling_rate, channels, subtype, format=file_format)
+        rate = output_rate or file_sampling_rate(path, sampling_rate)
+        self.file, self.ogg = file, file_format == "OGG" and ogg_serial
+        self.resampler = None if rate == sampling_rate else resample_stream(sampling_rate, rate, channels)
+        self.sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
+                                           endian="LITTLE" if file_format == "RAW" else "FILE")
         self.pending = np.zeros((0,) if channels == 1 else (0, channels), dtype=np.float32)  # < WRITE_BLOCK samples
 
-    def write(self, samples: np.ndarray) -> None:
-        samples = np.concatenate([self.pending, np.clip(np.asarray(samples, dtype=np.float32), -1.0, 1.0)])
+    def write(self, samples: np.ndarray, last: bool = False) -> None:
+        samples = np.asarray(samples, dtype=np.float32)
+        if self.resampler is not None:
+            samples = self.resampler.resample_chunk(samples, last=last)
+        samples = np.concatenate([self.pending, np.clip(samples, -1.0, 1.0)])
         whole = len(samples) - len(samples) % WRITE_BLOCK
         for start in range(0, whole, WRITE_BLOCK):
             self.sound.write(samples[start : start + WRITE_BLOCK])
@@ -154,6 +177,8 @@ class AudioFileWriter:
 
     def close(self) -> None:
         try:
+            if self.resampler is not None:  # the resampler's delayed tail
+                self.write(np.zeros((0,) + self.pending.shape[1:], dtype=np.float32), last=True)
             if len(self.pending):
                 self.sound.write(self.pending)
         finally:
@@ -169,6 +194,70 @@ class AudioFileWriter:
             self.close()
         else:
             self.sound.close()  # the file is thrown away (write_atomically): no serial to fix
+
+
+STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when its header is sent
+
+
+def streamed_wav_header(sampling_rate: int) -> bytes:
+    """The 44-byte header of a mono 16-bit PCM WAV of unknown length (sizes 0xFFFFFFFF, the usual convention for
+    WAV on a pipe: libsndfile, ffmpeg and Python's `wave` read such a file to the end of its data)."""
+    block = 2  # bytes per sample frame: one channel of 16 bits
+    return (
+        b"RIFF" + struct.pack("<I", STREAMED_WAV_SIZE) + b"WAVE"
+        + b"fmt " + struct.pack("<IHHIIHH", 16, 1, 1, sampling_rate, sampling_rate * block, block, 16)
+        + b"data" + struct.pack("<I", STREAMED_WAV_SIZE)
+    )
+
+
+class _SentBytes(io.BytesIO):
+    """An in-memory file whose new bytes are taken out as they are written (`take`). libsndfile may go back to
+    rework a header at the end (MP3's Xing frame, FLAC's STREAMINFO): bytes already taken cannot change, so such a
+    rework is lost, and the stream keeps the header as first written (valid, without the total length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.sent = 0
+
+    def take(self) -> bytes:
+        data = self.getvalue()[self.sent :]
+        self.sent += len(data)
+        return data
+
+
+class AudioEncoder:
+    """Speech in pieces -> the bytes of an audio file of format `name` (a suffix of `AUDIO_FILE_FORMATS` without
+    its dot), handed out as they are made: `encode(samples)` returns the bytes the samples completed, `finish()` the
+    rest. One encoder serves the server's responses and `drama3-tts -o -`.
+
+    `streamed=True`: for a pipe or a chunked HTTP body. A WAV then starts with `streamed_wav_header` (its length is
+    not known yet) and every other format's header stays as first written. `streamed=False`: everything comes from
+    `finish()`, as a complete file with real sizes (a WAV's RIFF and data sizes, MP3's Xing frame), byte for byte the
+    file `write_audio` writes. `output_rate` resamples (e.g. `pcm` at 24 kHz); Opus is always at 48 kHz.
+    """
+
+    def __init__(self, name: str, sampling_rate: int, streamed: bool, output_rate: int | None = None):
+        self.streamed, self.buffer = streamed, _SentBytes()
+        self.prefix = b""
+        if streamed and name == "wav":
+            self.prefix, name = streamed_wav_header(output_rate or sampling_rate), "pcm"
+        self.sampling_rate = output_rate or file_sampling_rate(f"audio.{name}", sampling_rate)
+        self.writer = AudioFileWriter(self.buffer, f"audio.{name}", sampling_rate, output_rate=output_rate,
+                                      ogg_serial=not streamed)
+
+    def encode(self, samples) -> bytes:
+        """Add float samples `[n]`; the bytes made of them so far (none until `finish` when not streamed)."""
+        self.writer.write(_waveform(samples))
+        return self.taken() if self.streamed else b""
+
+    def finish(self) -> bytes:
+        """The remaining bytes, after the encoder's last frames and the file's closing."""
+        self.writer.close()
+        return self.taken()
+
+    def taken(self) -> bytes:
+        data, self.prefix = self.prefix + self.buffer.take(), b""
+        return data
 
 
 _BIT_REVERSED_BYTES = bytes(int(f"{value:08b}"[::-1], 2) for value in range(256))
@@ -227,6 +316,13 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     return path
 
 
+def resample_stream(orig_rate: int, target_rate: int, channels: int = 1):
+    """A `soxr.ResampleStream` (float32, soxr's "HQ" quality as `resample_audio`) for audio that arrives in pieces."""
+    import soxr
+
+    return soxr.ResampleStream(orig_rate, target_rate, channels, dtype="float32", quality="HQ")
+
+
 _RESAMPLE_ZERO_CROSSINGS = 32  # sinc lobes kept on each side of a tap
 _RESAMPLE_ROLLOFF = 0.945  # cutoff as a fraction of the lower Nyquist frequency
 _RESAMPLE_KAISER_BETA = 10.0  # Kaiser window shape (~100 dB stopband)
@@ -270,7 +366,7 @@ def resample_audio(audio: torch.Tensor, orig_rate: int, target_rate: int) -> tor
 
 
 __all__ = [
-    "AUDIO_FILE_FORMATS", "OGG_SERIAL", "WRITE_BLOCK", "AudioFileWriter", "audio_file_format", "audio_file_header",
-    "audio_file_info", "check_sampling_rate", "ogg_crc", "read_audio_file", "resample_audio", "set_ogg_serial",
+    "AUDIO_FILE_FORMATS", "ENCODER_RATES", "OGG_SERIAL", "WRITE_BLOCK", "AudioEncoder", "AudioFileWriter", "audio_file_format", "audio_file_header",
+    "audio_file_info", "check_sampling_rate", "file_sampling_rate", "ogg_crc", "read_audio_file", "resample_audio", "resample_stream", "set_ogg_serial", "streamed_wav_header",
     "write_atomically", "write_audio",
 ]

@@ -1,10 +1,11 @@
 """The FastAPI application of `drama3-serve`: OpenAI's speech endpoint and the server's own routes.
 
-    POST /v1/audio/speech   speech (OpenAI request + Drama 3 fields); wav/pcm stream, sse events, flac/mp3/opus
+    POST /v1/audio/speech   speech (OpenAI and sglang-omni requests + Drama 3 fields); pcm/mp3/opus stream, wav on
+                            request ("stream": true), sse events; flac and wav complete (audio_encoding.py)
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
     GET  /health            200 when the model is loaded, 503 while it loads (never needs the API key)
-    GET  /metrics           request and batching counters
+    GET  /metrics           Prometheus metrics (metrics.py)
 
 The model loads in the background after the server starts, so `/health` answers during a long load. Every request
 is checked completely (key, size, fields, text, voice, references, settings) before it is queued; errors are
@@ -27,25 +28,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from ..audio_io import AudioEncoder
+
 from ..cli import load_model, resolve_device_and_dtype
 from ..generation_drama3 import generation_settings
 from ..processing_drama3 import Drama3Processor
-from .audio_encoding import (
-    ResponseFormat,
-    check_response_format,
-    encode_audio_file,
-    pcm16,
-    streamed_wav_header,
-)
+from .audio_encoding import ResponseFormat, check_response_format, response_encoder
 from .errors import APIError, body_too_large, install_error_handlers
+from .metrics import PROMETHEUS_TEXT, CountRequests, ServerMetrics
 from .reference_audio import decode_base64_audio, read_audio_bytes
 from .schemas import SpeechRequest
 from .settings import ServerSettings
-from .voices import VoiceLibrary
+from .voices import DEFAULT_VOICE, VoiceLibrary
 from .worker import GenerationWorker, JobDone, SpeechJob
 
 logger = logging.getLogger("transformers_drama3.serving")
 OPENAI_SPEECH_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # accepted as `model`, so hard-wired clients work
+# OpenAI's voice names: each speaks with the voice `--voice-alias NAME=VOICE` gives it, else with `default`.
+OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
+                 "marin", "cedar")
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for audio checks that its client is still there
 PROTECTED_PREFIXES = ("/v1/", "/metrics")
 
@@ -109,6 +110,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     install_error_handlers(app, settings.max_body_bytes)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
+    metrics = ServerMetrics(lambda: None if app.state.service is None else app.state.service.worker, settings.max_batch)
+    app.add_middleware(CountRequests, metrics=metrics, routes=lambda: {route.path for route in app.routes})
 
     def ready() -> SpeechService:
         if app.state.service is None:
@@ -165,22 +168,22 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         return JSONResponse(voices.describe(name), status_code=201)
 
     @app.get("/metrics")
-    async def metrics() -> dict:
-        service = app.state.service
-        if service is None:
-            return {"ready": False}
-        return {"ready": True, **service.worker.snapshot()}
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.text(), media_type=PROMETHEUS_TEXT)
 
     @app.post("/v1/audio/speech")
     async def speech(body: SpeechRequest, request: Request) -> Response:
         service = ready()
-        spec = check_response_format(body.response_format, body.stream_format)
+        spec = check_response_format(body.response_format, body.stream_format, body.stream)
+        streamed = body.stream_format == "sse" or (spec.streams_by_default if body.stream is None else body.stream)
+        encoder = response_encoder(body.response_format, service.model.config.sampling_rate, streamed,
+                                   openai_model=body.model in OPENAI_SPEECH_MODELS)
         # Off the event loop: reading reference audio can take a moment, and other responses are streaming.
         job = await asyncio.to_thread(make_job, body, service, settings, voices, asyncio.get_running_loop())
         service.worker.submit(job)
         headers = {"X-Request-Id": job.request_id, "X-Seed": str(job.seed),
-                   "X-Sample-Rate": str(service.model.config.sampling_rate)}
-        return await respond(job, body, spec, request, headers, service.model.config.sampling_rate)
+                   "X-Sample-Rate": str(encoder.sampling_rate)}
+        return await respond(job, body, spec, request, headers, encoder, metrics)
 
     return app
 
@@ -200,23 +203,33 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     if body.instructions:
         raise APIError(400, "instructions are not supported: Drama 3 follows cues written in the input itself, "
                        "e.g. '[whispering] Come closer.'", "instructions", "unsupported_value")
+    if body.repetition_penalty not in (None, 1.0):
+        raise APIError(400, f"repetition_penalty {body.repetition_penalty} is not supported: Drama 3 samples without "
+                       "penalties; send 1.0 or leave it out", "repetition_penalty", "unsupported_value")
     sampling, max_new_tokens = sampling_settings(body, service, settings)
     texts = checked(lambda: service.processor.split_text(body.input, max_bytes=settings.chunk_bytes), "input")
     references = []
-    voice = voices.load(body.voice_name)
+    voice = voices.load(voice_name(body.voice_name, settings.voice_aliases, voices))
     if voice is not None:
         references.append(voice)
-    for index, reference in enumerate(body.references):
-        where = f"references[{index}]"
-        checked(lambda: service.processor.check_text(reference.transcript, f"{where}.transcript"),
-                f"{where}.transcript")
-        data = decode_base64_audio(reference.audio, f"{where}.audio")
-        samples, rate = read_audio_bytes(data, f"{where}.audio", settings.max_reference_seconds)
+    for audio_field, text_field, reference in body.all_references():
+        checked(lambda: service.processor.check_text(reference.transcript, text_field), text_field)
+        data = decode_base64_audio(reference.audio, audio_field)
+        samples, rate = read_audio_bytes(data, audio_field, settings.max_reference_seconds)
         references.append({"transcript": reference.transcript, "audio": samples, "sampling_rate": rate})
     seed = body.seed if body.seed is not None else secrets.randbits(63)
     return SpeechJob(request_id=f"speech-{uuid.uuid4().hex[:16]}", texts=texts, references=references,
                      sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, text_length=len(body.input),
                      loop=loop)
+
+
+def voice_name(name: str, aliases: dict[str, str], voices: VoiceLibrary) -> str:
+    """The saved voice a requested name means: its `--voice-alias`, else itself; one of OpenAI's voice names that
+    is neither aliased nor saved means `default`."""
+    name = aliases.get(name, name)
+    if name in OPENAI_VOICES and name not in voices.names():
+        return DEFAULT_VOICE
+    return name
 
 
 def sampling_settings(body: SpeechRequest, service: SpeechService, settings: ServerSettings) -> tuple[dict, int]:
@@ -227,21 +240,19 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
     if requested.get("temperature") == 0:
         requested.pop("temperature")
         requested["do_sample"] = False
-    if "top_k" in requested and requested["top_k"] < 1:
-        raise APIError(400, f"top_k must be >= 1 (or left out for no limit), got {requested['top_k']}", "top_k",
-                       "invalid_value")
     if requested.get("max_new_tokens", 0) > settings.max_frames:
         raise APIError(400, f"max_new_tokens must be <= {settings.max_frames} (the server's --max-frames), got "
                        f"{requested['max_new_tokens']}", "max_new_tokens", "invalid_value")
     try:
         checked_settings = generation_settings(service.model.generation_config, **requested)
     except (TypeError, ValueError) as error:
-        named = [name for name in requested if name in str(error)]  # the setting the message is about comes first
-        param = min(named, key=str(error).find) if named else None
-        raise APIError(400, str(error), param, "invalid_value") from error
+        message = str(error).replace("use do_sample=False", "send temperature 0")  # the HTTP API's word for it
+        named = [name for name in requested if name in message]  # the setting the message is about comes first
+        param = min(named, key=message.find) if named else None
+        raise APIError(400, message, param, "invalid_value") from error
     if checked_settings.do_sample:
         sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,
-                    "top_k": checked_settings.top_k}
+                    "top_k": checked_settings.top_k or None}  # 0 and None both mean no limit: one batch key
     else:
         sampling = {"do_sample": False}
     max_new_tokens = requested.get("max_new_tokens", min(checked_settings.max_new_tokens, settings.max_frames))
@@ -268,9 +279,10 @@ async def next_event(job: SpeechJob, request: Request):
 
 
 async def respond(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request, headers: dict,
-                  sampling_rate: int) -> Response:
+                  encoder: AudioEncoder, metrics: ServerMetrics) -> Response:
     """The response of a queued job. Nothing is sent before its first event, so a request that fails before any
-    audio gets a proper error status; after that, `wav`/`pcm` and `sse` stream as audio is decoded."""
+    audio gets a proper error status; after that, a streamed format and `sse` go out as audio is decoded, and a
+    complete one is encoded once the speech is."""
     try:
         first = await next_event(job, request)
     except BaseException:
@@ -278,12 +290,12 @@ async def respond(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, req
         raise
     if isinstance(first, APIError):
         raise first
+    metrics.observe_start(job.queued_at, job.started_at, job.first_audio_at)
     if body.stream_format == "sse":
-        return StreamingResponse(sse_events(job, first, body.response_format, sampling_rate),
-                                 media_type="text/event-stream", headers={**headers, "Cache-Control": "no-cache"})
-    if spec.streams:
-        prefix = streamed_wav_header(sampling_rate) if body.response_format == "wav" else b""
-        return StreamingResponse(audio_bytes(job, first, prefix), media_type=spec.media_type, headers=headers)
+        return StreamingResponse(sse_events(job, first, encoder), media_type="text/event-stream",
+                                 headers={**headers, "Cache-Control": "no-cache"})
+    if encoder.streamed:
+        return StreamingResponse(audio_bytes(job, first, encoder), media_type=spec.media_type, headers=headers)
     chunks = [first]
     try:
         while not isinstance(chunks[-1], (JobDone, APIError)):
@@ -294,25 +306,26 @@ async def respond(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, req
     if isinstance(chunks[-1], APIError):
         raise chunks[-1]
     audio = torch.cat([torch.zeros(0), *chunks[:-1]])  # [samples]
-    data = await asyncio.to_thread(encode_audio_file, audio, sampling_rate, spec)
+    data = await asyncio.to_thread(lambda: encoder.encode(audio) + encoder.finish())
     return Response(data, media_type=spec.media_type, headers=headers)
 
 
-async def audio_bytes(job: SpeechJob, event, prefix: bytes):
-    """The body of a streamed `wav`/`pcm` response: `prefix` (the WAV header), then 16-bit PCM as it is decoded."""
+async def audio_bytes(job: SpeechJob, event, encoder: AudioEncoder):
+    """The body of a streamed response: the encoder's bytes as the audio is decoded."""
     try:
-        if prefix:
-            yield prefix
         while not isinstance(event, JobDone):
             if isinstance(event, APIError):
                 raise StreamAborted(f"request {job.request_id} failed after its audio started: {event.message}")
-            yield pcm16(event)
+            data = encoder.encode(event)
+            if data:
+                yield data
             event = await job.events.get()
+        yield encoder.finish()
     finally:
         job.cancel()  # no effect once the job is done; stops it if the client went away
 
 
-async def sse_events(job: SpeechJob, event, response_format: str, sampling_rate: int):
+async def sse_events(job: SpeechJob, event, encoder: AudioEncoder):
     """Server-sent events: `speech.audio.delta` (base64 of the next bytes of the pcm/wav stream), then
     `speech.audio.done` with usage (prompt rows in, frames out), or an `error` event."""
 
@@ -323,14 +336,17 @@ async def sse_events(job: SpeechJob, event, response_format: str, sampling_rate:
         return message({"type": "speech.audio.delta", "audio": base64.b64encode(data).decode("ascii")})
 
     try:
-        if response_format == "wav":
-            yield delta(streamed_wav_header(sampling_rate))
         while not isinstance(event, JobDone):
             if isinstance(event, APIError):
                 yield message({"type": "error", **event.body()})
                 return
-            yield delta(pcm16(event))
+            data = encoder.encode(event)
+            if data:
+                yield delta(data)
             event = await job.events.get()
+        rest = encoder.finish()
+        if rest:
+            yield delta(rest)
         usage = {"input_tokens": event.prompt_rows, "output_tokens": event.frames,
                  "total_tokens": event.prompt_rows + event.frames}
         yield message({"type": "speech.audio.done", "usage": usage})

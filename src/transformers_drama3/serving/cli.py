@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--voices", type=Path, metavar="DIR",
                         help="directory of saved voices (NAME.safetensors); POST /v1/voices adds to it")
+    parser.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
+                        help="speak OpenAI's voice NAME (alloy, echo, nova, ...) with the saved VOICE; repeatable. "
+                        "OpenAI names without an alias speak with 'default'")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_VARIABLE}, "
                         "which keeps the key out of the process list; no key: open to anyone who can connect)")
@@ -85,6 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def voice_alias(text: str) -> tuple[str, str]:
+    """`--voice-alias NAME=VOICE` -> (NAME, VOICE)."""
+    name, _, voice = text.partition("=")
+    if not name.strip() or not voice.strip():
+        raise ValueError(f"--voice-alias {text!r}: write NAME=VOICE, e.g. --voice-alias alloy=narrator")
+    return name.strip(), voice.strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -97,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
               '\'pip install "transformers-drama3[serve]"\'', file=sys.stderr)
         return 1
     try:
+        aliases = dict(voice_alias(text) for text in args.voice_alias)
         settings = ServerSettings(
             model=default_tiny_checkpoint() if args.tiny else args.model,
             model_name=args.model_name or ("drama3-tiny" if args.tiny else None), voices_dir=args.voices,
@@ -104,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, max_text_chars=args.max_text_chars,
             max_reference_seconds=args.max_reference_seconds, max_body_bytes=args.max_body_bytes,
             max_frames=args.max_frames, chunk_bytes=args.chunk_bytes, fast_decode=args.fast_decode,
-            compile_step=args.compile_step, log_text=args.log_text,
+            compile_step=args.compile_step, log_text=args.log_text, voice_aliases=aliases,
         )
         failed = []
 

@@ -54,6 +54,9 @@ def validation_error(error: RequestValidationError) -> APIError:
     param = ".".join(location) or None
     if first.get("type") == "json_invalid":
         return APIError(400, "the request body is not valid JSON", code="invalid_json")
+    if not location and first.get("type") in ("model_attributes_type", "dict_type", "model_type"):
+        return APIError(400, "the request body must be a JSON object, sent with 'Content-Type: application/json' "
+                        "(not a form)", code="invalid_json")
     if first.get("type") == "extra_forbidden":
         return APIError(400, f"unknown field {param!r}; see docs/serving.md for the accepted fields", param,
                         "unknown_parameter")

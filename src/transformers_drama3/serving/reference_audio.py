@@ -17,7 +17,12 @@ from .errors import APIError
 
 
 def decode_base64_audio(text: str, where: str) -> bytes:
-    """The bytes of a base64 field; 400 if it is not base64."""
+    """The bytes of a base64 field (or of a `data:...;base64,` URL); 400 if it is not base64."""
+    if text.startswith(("http://", "https://", "file:", "/", "./")):
+        raise APIError(400, f"{where} looks like a URL or a path; this server fetches nothing and reads no files: "
+                       "send the audio file itself, base64-encoded", where, "invalid_audio")
+    if text.startswith("data:") and ";base64," in text:
+        text = text.partition(";base64,")[2]
     try:
         return base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError) as error:
@@ -36,8 +41,9 @@ def read_audio_bytes(data: bytes, where: str, max_seconds: float) -> tuple[np.nd
         info = sf.info(io.BytesIO(data))
         frames, rate = info.frames, info.samplerate
     except (sf.LibsndfileError, RuntimeError, TypeError) as error:
-        raise APIError(400, f"{where} is not a readable audio file (WAV, FLAC, OGG or MP3): {error}", where,
-                       "invalid_audio") from error
+        reason = getattr(error, "error_string", None) or "its format is not recognised"  # no "<BytesIO at 0x...>"
+        raise APIError(400, f"{where} is not a readable audio file (WAV, FLAC, OGG or MP3): "
+                       f"{reason.rstrip('.').lower()}", where, "invalid_audio") from error
     if rate <= 0 or frames <= 0:
         raise APIError(400, f"{where} holds no audio samples", where, "invalid_audio")
     if frames / rate > max_seconds:
@@ -46,7 +52,8 @@ def read_audio_bytes(data: bytes, where: str, max_seconds: float) -> tuple[np.nd
     try:
         samples, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)  # [L, channels]
     except (sf.LibsndfileError, RuntimeError) as error:
-        raise APIError(400, f"{where} cannot be decoded: {error}", where, "invalid_audio") from error
+        reason = getattr(error, "error_string", None) or "decoding failed"
+        raise APIError(400, f"{where} cannot be decoded: {reason}", where, "invalid_audio") from error
     if samples.shape[0] == 0:
         raise APIError(400, f"{where} holds no audio samples", where, "invalid_audio")
     if not np.isfinite(samples).all():

@@ -1,10 +1,12 @@
 """Request bodies of the speech server (pydantic models).
 
 `SpeechRequest` is OpenAI's `POST /v1/audio/speech` body (`model`, `input`, `voice`, `response_format`, `speed`,
-`stream_format`, `instructions`) plus the fields of the official Drama 3 server's request: `references`, `seed`,
-`temperature`, `top_p`, `top_k`, `max_new_tokens`. Types (and the seed's range) are checked here; the other ranges
-and the rules between fields are checked by the server with the package's own validation (`generation_settings`, the
-processor's text checks), so they read the same as in Python. Unknown fields are refused, so a misspelt setting is never silently ignored.
+`stream_format`, `instructions`) plus the fields of the official Drama 3 server's request (sglang-omni's): `stream`,
+`speaker` (another name for `voice`), `references` (each `audio` or `data`, and `text` or `transcript`), `ref_audio`
+with `ref_text`, `language`, `seed`, `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_new_tokens`.
+Types (and the seed's range) are checked here; the other ranges and the rules between fields are checked by the
+server with the package's own validation (`generation_settings`, the processor's text checks), so they read the same
+as in Python. Unknown fields are refused, so a misspelt setting is never silently ignored.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class ReferenceAudio(BaseModel):
     in it (`transcript`, or `text` as the official server calls it)."""
 
     model_config = ConfigDict(extra="forbid")
-    audio: str = Field(description="base64 of an audio file")
+    audio: str = Field(description="base64 of an audio file (or a data: URL)",
+                       validation_alias=AliasChoices("audio", "data"))
     transcript: str = Field(validation_alias=AliasChoices("transcript", "text"))
+    media_type: str | None = Field(None, description="accepted and not needed: the bytes say their format")
 
 
 class SpeechRequest(BaseModel):
@@ -37,18 +41,32 @@ class SpeechRequest(BaseModel):
 
     model: str
     input: str = Field(description="text to speak; <|speaker:N|> tags switch speakers")
-    voice: str | VoiceID = Field("default", description="a saved voice name (GET /v1/voices), or 'default'")
+    voice: str | VoiceID = Field("default", validation_alias=AliasChoices("voice", "speaker"),
+                                 description="a saved voice name (GET /v1/voices), an OpenAI voice name, or 'default'")
     response_format: str = "mp3"
     speed: float = 1.0
+    stream: bool | None = Field(None, description="send the audio as it is made (default: the format's own)")
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
+    language: str | None = Field(None, description="accepted; Drama 3 reads the language from the text itself")
     references: list[ReferenceAudio] = Field(default_factory=list)
+    ref_audio: str | None = Field(None, description="one reference: base64 of an audio file (or a data: URL)")
+    ref_text: str | None = Field(None, description="what is said in ref_audio")
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     temperature: float | None = Field(None, description="main-token temperature; 0 means greedy decoding")
     top_p: float | None = None
-    top_k: int | None = None
+    top_k: int | None = Field(None, description="main-token top-k; 0 or left out: no limit")
+    repetition_penalty: float | None = Field(None, description="only 1.0 (none): Drama 3 samples without penalties")
     max_new_tokens: int | None = Field(None, description="most frames per text chunk (21.5 frames = 1 s)")
 
     @property
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceID) else self.voice
+
+    def all_references(self) -> list[tuple[str, str, ReferenceAudio]]:
+        """(its audio field, its transcript field, reference) of `references` and of `ref_audio`/`ref_text`."""
+        found = [(f"references[{index}].audio", f"references[{index}].transcript", reference)
+                 for index, reference in enumerate(self.references)]
+        if self.ref_audio is not None:
+            found.append(("ref_audio", "ref_text", ReferenceAudio(audio=self.ref_audio, transcript=self.ref_text or "")))
+        return found

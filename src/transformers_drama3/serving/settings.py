@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cli import MIN_CHUNK_BYTES
@@ -22,7 +22,8 @@ class ServerSettings:
     a request may ask for per text chunk, also the default. chunk_bytes: long `input` is spoken in chunks of at
     most this many UTF-8 bytes. fast_decode / compile_step: how `generate` runs its frame step (a CUDA graph per frame
     on CUDA / `torch.compile` first, True or a backend name; docs/usage.md). log_text: put the text of each request in
-    the log (off: only its length).
+    the log (off: only its length). voice_aliases: OpenAI voice names (or any names) -> saved voice names
+    (`--voice-alias alloy=narrator`); an OpenAI voice name without one speaks with `default`.
     """
 
     model: str = "fishaudio/drama-3"
@@ -42,6 +43,7 @@ class ServerSettings:
     fast_decode: bool = False
     compile_step: bool | str = False
     log_text: bool = False
+    voice_aliases: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_text_chars", "max_body_bytes", "max_frames"):

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import wave
 
 import numpy as np
 import pytest
@@ -144,6 +145,44 @@ def test_streamed_and_repeated_runs_write_identical_files(tmp_path, capsys, suff
     assert sorted(os.listdir(tmp_path)) == sorted(file.name for file in files)
 
 
+def _stdout_bytes(capsys, monkeypatch, *args) -> bytes:
+    """What a run writes to standard output (a binary one, as a pipe is)."""
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO()))
+    assert _main(capsys, *args)[0] == 0
+    return sys.stdout.buffer.getvalue()
+
+
+def test_output_to_stdout_is_the_servers_stream(tmp_path, capsys, monkeypatch):
+    """`-o -` writes what the server streams for the same format: `AudioEncoder`'s bytes, made as the audio is."""
+    from transformers_drama3.audio_io import AudioEncoder
+
+    common = [*MODEL, "Hello there.", "--seed", "4", "--max-new-tokens", "5", "--quiet"]
+    for name in ("speech.wav", "speech.mp3"):
+        assert _main(capsys, *common, "-o", name)[0] == 0
+    samples, rate = soundfile.read("speech.wav", dtype="int16")
+    wav = _stdout_bytes(capsys, monkeypatch, *common, "-o", "-")
+    encoder = AudioEncoder("wav", rate, streamed=True)
+    assert wav == encoder.encode(samples.astype(np.float32) / 32768) + encoder.finish()  # 16-bit values are exact
+    mp3 = _stdout_bytes(capsys, monkeypatch, *common, "-o", "-", "--format", "mp3")
+    first_frame = 144 * 128000 // 44100  # libsndfile's first MPEG frame (128 kb/s): the file's holds its length
+    complete = (tmp_path / "speech.mp3").read_bytes()
+    assert len(mp3) == len(complete) and mp3[first_frame:] == complete[first_frame:]
+    assert sorted(os.listdir(tmp_path)) == ["speech.mp3", "speech.wav"]
+
+
+def test_stream_into_a_pipe_plays_while_the_file_is_written_atomically(tmp_path, capsys, monkeypatch):
+    """`--stream -o speech.opus | player`: the player gets a WAV as it is made, the file appears complete and equal
+    to an unstreamed run's."""
+    monkeypatch.setattr("transformers_drama3.cli.stdout_is_pipe", lambda: True)
+    common = [*MODEL, "Hello there.", "--seed", "0", "--max-new-tokens", "4", "--quiet"]
+    piped = _stdout_bytes(capsys, monkeypatch, *common, "-o", "streamed.opus", "--stream")
+    with wave.open(io.BytesIO(piped)) as reader:
+        assert reader.getframerate() == 44100 and len(reader.readframes(reader.getnframes())) == 4 * 2048 * 2
+    assert _main(capsys, *common, "-o", "plain.opus")[0] == 0
+    assert (tmp_path / "streamed.opus").read_bytes() == (tmp_path / "plain.opus").read_bytes()
+    assert sorted(os.listdir(tmp_path)) == ["plain.opus", "streamed.opus"]
+
+
 def test_text_from_stdin_and_from_a_file_in_flac(tmp_path, capsys, monkeypatch):
     (tmp_path / "text.txt").write_text("Hello there.\n", encoding="utf-8")
     from_file, from_stdin = tmp_path / "file.flac", tmp_path / "stdin.flac"
@@ -231,6 +270,7 @@ def test_summary_of_a_checkpoint(capsys):
          "--greedy always takes the most likely token, so --temperature and --top-k would change nothing"),
         ([*MODEL, "--summary", "Hello.", "-o", "x.wav"], "leave out TEXT, --output"),
         ([*MODEL, "Hello.", "-o", "x.wav", "--chunk-bytes", "8"], "--chunk-bytes must be at least 32"),
+        ([*MODEL, "Hello.", "-o", "x.wav", "--format", "mp3"], "a file's format is its suffix"),
     ],
 )
 def test_usage_errors_exit_2(capsys, args, message):
@@ -290,7 +330,7 @@ def test_devices_that_cannot_run_are_one_line_errors(capsys):
 def test_bad_outputs_and_files_exit_1(tmp_path, capsys, monkeypatch):
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
     cases = [
-        ([*MODEL, "Hello.", "-o", str(tmp_path / "out.mp3")], "cannot tell the audio format"),
+        ([*MODEL, "Hello.", "-o", str(tmp_path / "out.aac")], "cannot tell the audio format"),
         ([*MODEL, "Hello.", "-o", str(tmp_path)], "it is a directory"),
         ([*MODEL, "Hello.", "-o", str(tmp_path / "out.wav"), "--voice", str(tmp_path / "none.safetensors")], "none"),
         ([*MODEL, "--text-file", str(tmp_path / "none.txt"), "-o", str(tmp_path / "out.wav")], "none.txt"),

@@ -2,14 +2,16 @@
 
     drama3-tts --tiny "Hello there." --output hello.wav --max-new-tokens 32
     drama3-tts --model fishaudio/drama-3 --text-file story.txt --output story.flac --seed 1
-    drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.wav --voice me.voice.safetensors
+    drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.mp3 --voice me.voice.safetensors
+    drama3-tts --tiny "Hello there." -o - | ffplay -nodisp -autoexit -
     torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
 
 Everything about a request is checked before the model loads: the command line, the sampling settings (by
 `generation_settings`, the model's own rules), the device, the text, the output path, the checkpoint's location,
 reference recordings and voice files. An error prints one line on stderr and exits with status 1 (2 for a malformed
 command line, 130 on Ctrl-C, 128 + N when stopped by signal N, e.g. 143 for SIGTERM). The output file is written
-atomically, so a failed, interrupted or stopped run leaves no partial file. Warnings of transformers and Drama 3 are
+atomically, so a failed, interrupted or stopped run leaves no partial file; `-o -` and `--stream` send the audio to
+standard output as it is made (cli_output.py). Warnings of transformers and Drama 3 are
 said once each, as `note:` lines between the progress bars, not inside them.
 
 Under `torchrun` the model is split over the ranks (`--parallel`, docs/hardware.md): rank 0 alone reads the text
@@ -31,6 +33,7 @@ import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
+from .cli_output import STDOUT, STDOUT_FORMATS, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
@@ -64,7 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("text", nargs="?", help='text to speak ("-" reads standard input); <|speaker:N|> tags '
                         "switch speakers, [cues] and <tag>...</tag> are understood")
     parser.add_argument("--text-file", type=Path, metavar="FILE", help="read the text from a UTF-8 file")
-    parser.add_argument("-o", "--output", type=Path, metavar="FILE", help="audio file to write: .wav, .flac or .ogg")
+    parser.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="audio file to write: .wav, .flac, .ogg, .mp3, .opus or .pcm (raw 16-bit); - for standard "
+                        "output, as the audio is made (--format)")
+    parser.add_argument("--format", choices=STDOUT_FORMATS,
+                        help="the audio format on standard output (-o -, or --stream into a pipe; default wav)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", help="checkpoint directory or Hub repository id (e.g. fishaudio/drama-3)")
     source.add_argument("--tiny", action="store_true",
@@ -95,7 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
                           f"least {MIN_CHUNK_BYTES})")
 
     run = parser.add_argument_group("running")
-    run.add_argument("--stream", action="store_true", help="write the audio while it is generated")
+    run.add_argument("--stream", action="store_true",
+                     help="write the audio while it is generated (the file appears, complete, at the end) and, when "
+                     "standard output is a pipe, send it there too: ... --stream | ffplay -nodisp -autoexit -")
     run.add_argument("--fast-decode", action="store_true",
                      help="on a GPU: capture the frame step once as a CUDA graph and replay it every frame "
                           "(docs/usage.md)")
@@ -134,7 +143,14 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if not has_text and args.save_voice is None:
         parser.error("no text to speak: give TEXT, - (standard input) or --text-file FILE")
     if has_text and args.output is None:
-        parser.error("--output FILE is required: where to write the speech (.wav, .flac or .ogg)")
+        parser.error("--output FILE is required: where to write the speech (.wav, .flac, .ogg, .mp3, .opus; - for "
+                     "standard output)")
+    if args.format is not None and args.output != STDOUT and not args.stream:
+        parser.error("--format is the format of the audio on standard output (-o -, or --stream into a pipe); a "
+                     "file's format is its suffix")
+    if args.output == STDOUT and stdout_is_terminal():
+        parser.error("-o - writes audio to standard output, which is a terminal here: pipe it into a player "
+                     "(| ffplay -nodisp -autoexit -) or redirect it into a file")
     if args.output is not None and not has_text:
         parser.error("--output needs text to speak: give TEXT, - (standard input) or --text-file FILE")
     if len(args.reference) != len(args.reference_text):
@@ -443,7 +459,8 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     notes.say_all()
     _say_finish_reasons(notes, speech.finish_reasons, model.generation_config.max_new_tokens, flags)
     chunks = len(speech.texts)
-    notes.say(f"wrote {args.output}: {speech.duration:.2f} s, {speech.num_frames} frames, "
+    where = "the speech to standard output" if args.output == STDOUT else args.output
+    notes.say(f"wrote {where}: {speech.duration:.2f} s, {speech.num_frames} frames, "
               f"{chunks} chunk{'s' if chunks != 1 else ''}")
     return 0
 
@@ -455,10 +472,12 @@ def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list]:
 
     text = _read_text(args)
     for output in (args.output, args.save_voice):
-        if output is not None:
+        if output is not None and output != STDOUT:
             check_writable(output)
-    if args.output is not None:
+    if args.output is not None and args.output != STDOUT:
         audio_file_format(args.output)
+    if args.output == STDOUT or args.stream:
+        audio_file_format(f"stdout.{args.format or 'wav'}")
     return text, [Drama3Voice.load(file) for file in args.voice]
 
 
@@ -537,51 +556,16 @@ def _speak(args, flags, model, processor, text, references):
     from .synthesis import synthesize
 
     options = dict(chunk_bytes=args.chunk_bytes, seed=args.seed, show_progress=not args.quiet, **flags)
-    if not args.stream or not is_main_process():  # under torchrun only rank 0 writes
+    to_stdout = args.output == STDOUT or (args.stream and stdout_is_pipe())
+    if not is_main_process() or not (args.stream or to_stdout):  # under torchrun only rank 0 writes
         speech = synthesize(model, processor, text, references, **options)
         if is_main_process():
             processor.save_audio(speech.audio, args.output, speech.sampling_rate)
         return speech
-    return stream_to_file(args.output, model, lambda streamer: synthesize(
-        model, processor, text, references, streamer=streamer, **options))
-
-
-def stream_to_file(path: Path, model, run):
-    """Call `run(streamer)` while a thread writes the streamer's audio chunks into `path` as they arrive.
-
-    The chunks go to a temporary file next to `path` that is renamed over it at the end (`write_atomically`), so a
-    failed or stopped run leaves nothing behind, and through `AudioFileWriter`, so the finished file is byte for
-    byte the file a run without streaming writes.
-    """
-    from .audio_io import AudioFileWriter, write_atomically
-    from .streaming import Drama3AudioStreamer
-
-    streamer = Drama3AudioStreamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
-    result, failures = [], []
-
-    def write(file) -> None:
-        with AudioFileWriter(file, path, model.config.sampling_rate) as sound:
-            writer = threading.Thread(target=_drain, args=(streamer, sound, failures), daemon=True)
-            writer.start()
-            try:
-                result.append(run(streamer))  # synthesize ends the stream, also on errors
-            finally:
-                streamer.end()  # a second end is harmless; it only guarantees that the writer stops
-                writer.join()
-            if failures:
-                raise failures[0]
-
-    write_atomically(path, write)
-    return result[0]
-
-
-def _drain(streamer, sound, failures: list) -> None:
-    """Write audio chunks from `streamer` into the open `AudioFileWriter` until the stream ends (a writer thread)."""
-    try:
-        for chunk in streamer:
-            sound.write(chunk.numpy())
-    except Exception as error:  # re-raised by the generating thread
-        failures.append(error)
+    return stream_to_outputs(None if args.output == STDOUT else args.output,
+                             (args.format or "wav") if to_stdout else None, model,
+                             lambda streamer: synthesize(model, processor, text, references, streamer=streamer,
+                                                         **options))
 
 
 def model_summary(model) -> str:

@@ -1,10 +1,13 @@
-"""Talk to `drama3-serve` with the official `openai` client: one WAV file, then a streamed PCM response.
+"""Talk to `drama3-serve` with the official `openai` client as OpenAI's docs write it: one WAV file, then a streamed
+PCM response (OpenAI's voice and model names work: `voice="alloy"`, `model="tts-1"` gives OpenAI's 24 kHz PCM).
 
     python examples/speech_server.py                               # starts a tiny server in this process
     python examples/speech_server.py --url http://127.0.0.1:8000 --api-key KEY    # a running drama3-serve
 
 Needs `pip install "transformers-drama3[serve]" openai`. Without `--url` a server on the embedded tiny random
-checkpoint runs in a background thread (`ServerThread`); it speaks noise. docs/serving.md describes the API.
+checkpoint runs in a background thread (`ServerThread`), limited to 48 frames a request so that it answers at once;
+it speaks noise. A running server's own `--max-frames` applies otherwise (`--max-new-tokens` asks for fewer).
+docs/serving.md describes the API.
 """
 
 import argparse
@@ -23,6 +26,7 @@ def main() -> None:
     parser.add_argument("--api-key", default="none", help="the server's --api-key, if it has one")
     parser.add_argument("--model", default="drama3-tiny", help="the served model id (GET /v1/models)")
     parser.add_argument("--text", default="<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did.")
+    parser.add_argument("--max-new-tokens", type=int, help="most frames per text chunk (default: the server's)")
     args = parser.parse_args()
 
     with contextlib.ExitStack() as stack:
@@ -30,19 +34,21 @@ def main() -> None:
         if url is None:
             from transformers_drama3.serving.thread import ServerThread
 
-            settings = ServerSettings(model=default_tiny_checkpoint(), model_name=args.model)
+            settings = ServerSettings(model=default_tiny_checkpoint(), model_name=args.model, max_frames=48)
             url = stack.enter_context(ServerThread(settings)).url
         client = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key)
-        extra = {"seed": 0, "max_new_tokens": 48}  # Drama 3 fields, sent along with OpenAI's
+        extra = {"seed": 0}  # Drama 3 fields, sent along with OpenAI's
+        if args.max_new_tokens is not None:
+            extra["max_new_tokens"] = args.max_new_tokens
 
-        speech = client.audio.speech.create(model=args.model, voice="default", input=args.text,
+        speech = client.audio.speech.create(model=args.model, voice="alloy", input=args.text,
                                             response_format="wav", extra_body=extra)
         speech.write_to_file("speech.wav")
         print(f"speech.wav: {len(speech.content)} bytes")
 
         start, first, size = time.perf_counter(), None, 0
         with client.audio.speech.with_streaming_response.create(
-            model=args.model, voice="default", input=args.text, response_format="pcm", extra_body=extra
+            model="tts-1", voice="alloy", input=args.text, response_format="pcm", extra_body=extra
         ) as response, open("speech.pcm", "wb") as out:
             rate = int(response.headers["x-sample-rate"])
             for piece in response.iter_bytes():

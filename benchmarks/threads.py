@@ -28,13 +28,14 @@ model = FishOmniForSpeech.from_pretrained(path, dtype=torch.float32).eval()
 processor = Drama3Processor.from_pretrained(path)
 inputs = processor("The lighthouse keeper woke before dawn.")
 def run():
-    return model.generate(**inputs, max_new_tokens=frames, min_new_tokens=frames, seed=1, show_progress=False)
-run()
+    return model.generate(**inputs, max_new_tokens=frames, seed=1, show_progress=False)
+run()  # warm-up
 times, out = [], None
 for _ in range(3):
     start = time.perf_counter(); out = run(); times.append(time.perf_counter() - start)
-digest = hashlib.sha256(out.codes.numpy().tobytes() + out.audio[0].numpy().tobytes()).hexdigest()[:12]
-print(json.dumps({"seconds": min(times), "threads": torch.get_num_threads(), "digest": digest}))
+digest = hashlib.sha256(out.codes[0].numpy().tobytes() + out.audio[0].numpy().tobytes()).hexdigest()[:12]
+print(json.dumps({"seconds": min(times), "frames": out.codes[0].shape[-1], "threads": torch.get_num_threads(),
+                  "digest": digest}))
 """
 
 
@@ -84,7 +85,8 @@ def main() -> None:
                 for loop in loops:
                     loop.terminate()
                     loop.join()
-            cells = "  ".join(f"{threads} thread(s) {r['seconds']:6.2f} s [{r['digest']}]" for threads, r in row.items())
+            cells = "  ".join(f"{threads} thread(s) {r['seconds']:6.2f} s for {r['frames']} frames [{r['digest']}]"
+                              for threads, r in row.items())
             print(f"{name:<6} busy loops {busy}: {cells}", flush=True)
 
 

@@ -7,7 +7,8 @@
 `--data` is a folder of `clip.wav` + `clip.txt` (or `.lab`) pairs, or an LJSpeech `metadata.csv` (docs/finetuning.md).
 Without it, a few generated tones with made-up transcripts stand in for recordings. Written to `--output`:
 `prepared/` (the dataset and the codes cache; a rerun reuses them), `adapter/` (the LoRA adapter, loadable with
-`PeftModel.from_pretrained`), `merged/` (a full checkpoint in the original Drama 3 layout) and `sample.wav`.
+`PeftModel.from_pretrained`), `merged/` (a full checkpoint in the original Drama 3 layout, with its processor:
+`AutoProcessor.from_pretrained(merged)` loads it) and `sample.wav`.
 On a GPU the model trains in bfloat16; on a CPU in float32.
 """
 
@@ -123,6 +124,7 @@ def main() -> None:
     # 5. Speak with the merged checkpoint, as any Drama 3 checkpoint.
     finetuned = AutoModel.from_pretrained(args.output / "merged", dtype=torch.bfloat16 if gpu else torch.float32,
                                           device_map="cuda" if gpu else None).eval()
+    processor = AutoProcessor.from_pretrained(args.output / "merged")  # saved beside the weights
     inputs = processor(args.text)
     settings = {"max_new_tokens": 12} if tiny else {}  # the tiny checkpoint rarely stops by itself
     speech = finetuned.generate(**inputs, seed=0, **settings)

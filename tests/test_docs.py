@@ -3,8 +3,8 @@
 As docs/usage.md says, the examples run on the tiny checkpoint: "fishaudio/drama-3" is replaced by the golden tiny
 checkpoint, and every generation is held to `FRAMES` frames (its random weights rarely end speech on their own).
 Python blocks of a page share one namespace, as a reader's session would; a block marked `# GPU only` on its first
-line is compiled (its syntax checked), not run. Bash blocks run their `drama3-tts`
-commands in this process (`pip install` lines are the reader's setup, already done here); any other command fails
+line is compiled (its syntax checked), not run, and a bash block so marked is skipped. Bash blocks run their
+`drama3-tts` and `drama3-prepare` commands in this process (`pip install` lines are the reader's setup, already done here); any other command fails
 the test, so a new kind of command needs a way to run here first.
 """
 
@@ -21,11 +21,12 @@ import pytest
 import soundfile
 
 from transformers_drama3 import FishOmniForSpeech, cli
+from transformers_drama3.training import cli as prepare_cli
 
 from .conftest import GOLDEN_TINY
 
 ROOT = Path(__file__).resolve().parents[1]
-GUIDE_PAGES = ("usage.md", "processor.md")  # pages whose every code block runs
+GUIDE_PAGES = ("usage.md", "processor.md", "finetuning.md")  # pages whose every code block runs
 EXAMPLES = sorted(path.name for path in (ROOT / "examples").glob("*.py") if path.name != "example_setup.py")
 FRAMES = 4
 REAL_MODEL = "fishaudio/drama-3"
@@ -54,6 +55,12 @@ def reader(tmp_path, monkeypatch):
                                  ("bob.wav", 44100, 1)):
         t = np.arange(rate // 2) / rate
         soundfile.write(name, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), rate)
+    (tmp_path / "my_voice").mkdir()  # finetuning.md's recordings: clip.wav + clip.txt pairs
+    for index, line in enumerate(("Hello there.", "Good morning, everyone.", "Did you hear that?")):
+        t = np.arange(8000 + 2000 * index) / 16000
+        soundfile.write(tmp_path / "my_voice" / f"clip{index}.wav", (0.3 * np.sin(2 * np.pi * 180 * t)).astype(np.float32),
+                        16000)
+        (tmp_path / "my_voice" / f"clip{index}.txt").write_text(line, encoding="utf-8")
     (tmp_path / "story.txt").write_text("The lighthouse keeper woke before dawn. He climbed the stairs. "
                                         "The lamp was still turning.", encoding="utf-8")
     generate = FishOmniForSpeech.generate
@@ -76,8 +83,9 @@ def run_commands(code: str, monkeypatch) -> None:
             bar = words.index("|")
             monkeypatch.setattr(sys, "stdin", io.StringIO(" ".join(words[1:bar]) + "\n"))
             words = words[bar + 1 :]
-        assert words[0] == "drama3-tts", f"a command the docs test cannot run: {line!r}"
-        assert cli.main(words[1:]) == 0, line
+        commands = {"drama3-tts": cli.main, "drama3-prepare": prepare_cli.main}
+        assert words[0] in commands, f"a command the docs test cannot run: {line!r}"
+        assert commands[words[0]](words[1:]) == 0, line
 
 
 @pytest.mark.parametrize("page", GUIDE_PAGES)
@@ -90,14 +98,14 @@ def test_every_code_block_of_the_guide_runs(page, reader, monkeypatch):
             compiled = compile(code.replace(REAL_MODEL, str(GOLDEN_TINY)), f"docs/{page}:{line}", "exec")
             if not code.startswith(GPU_ONLY):
                 exec(compiled, namespace)
-        elif language == "bash":
+        elif language == "bash" and not code.startswith(GPU_ONLY):
             run_commands(code, monkeypatch)
 
 
 def test_the_guide_pages_have_code():
     """The test above would pass on a page whose fences it no longer finds: make sure it sees the blocks."""
     counts = {page: sum(language in ("python", "bash") for language, _, _ in code_blocks(page)) for page in GUIDE_PAGES}
-    assert counts["usage.md"] >= 14 and counts["processor.md"] >= 8, counts
+    assert counts["usage.md"] >= 14 and counts["processor.md"] >= 8 and counts["finetuning.md"] >= 4, counts
 
 
 @pytest.mark.parametrize("script", EXAMPLES)

@@ -1,6 +1,7 @@
 """`drama3-prepare`: turn a folder of recordings into a Drama 3 training dataset.
 
     drama3-prepare my_voice/ prepared/ --model fishaudio/drama-3
+    drama3-prepare my_voice/ prepared/ --tiny          # the embedded tiny checkpoint's codec: try the recipe on a CPU
     drama3-prepare LJSpeech-1.1/ lj/ --model fishaudio/drama-3 --max-seconds 20 --batch-size 16
     drama3-prepare clips/ prepared/ --model DIR --reference ref.wav --reference-text "What is said in ref.wav."
 
@@ -34,9 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("data_dir", type=Path, metavar="DATA_DIR", help="folder of recordings and transcripts")
     parser.add_argument("out_dir", type=Path, metavar="OUT_DIR", help="where the dataset and the codes cache go")
-    parser.add_argument("--model", required=True,
-                        help="checkpoint directory or Hub id whose codec and tokenizer to use (only the codec, config "
-                             "and tokenizer are read)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="checkpoint directory or Hub id whose codec and tokenizer to use (only the "
+                        "codec, config and tokenizer are read)")
+    source.add_argument("--tiny", action="store_true",
+                        help="use the embedded tiny random checkpoint (for trying the fine-tuning recipe on a CPU)")
     parser.add_argument("--speaker", type=int, choices=range(16), default=0, metavar="N",
                         help="speaker tag <|speaker:N|> for transcripts without one (default 0)")
     parser.add_argument("--reference", action="append", default=[], metavar="AUDIO",
@@ -64,8 +67,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         references = [{"transcript": text, "audio": audio} for audio, text in zip(args.reference, args.reference_text)]
         references += [Drama3Voice.load(path) for path in args.voice]
+        if args.tiny:
+            from ..testing import default_tiny_checkpoint
+
         prepared = prepare_dataset(
-            args.data_dir, args.out_dir, args.model, speaker=args.speaker, references=references,
+            args.data_dir, args.out_dir, default_tiny_checkpoint() if args.tiny else args.model, speaker=args.speaker, references=references,
             max_seconds=args.max_seconds, batch_size=args.batch_size, device=args.device, show_progress=not args.quiet,
         )
     except KeyboardInterrupt:

@@ -347,7 +347,8 @@ def resample_audio(audio: torch.Tensor, orig_rate: int, target_rate: int) -> tor
 
 
 __all__ = [
-    "AUDIO_FILE_FORMATS", "ENCODER_RATES", "OGG_SERIAL", "WRITE_BLOCK", "AudioEncoder", "AudioFileWriter", "audio_file_format", "audio_file_header",
-    "audio_file_info", "check_sampling_rate", "file_sampling_rate", "ogg_crc", "read_audio_file", "resample_audio", "resample_stream", "set_ogg_serial", "streamed_wav_header",
+    "AUDIO_FILE_FORMATS", "ENCODER_RATES", "OGG_SERIAL", "WRITE_BLOCK", "AudioEncoder", "AudioFileWriter",
+    "audio_file_format", "audio_file_header", "audio_file_info", "check_sampling_rate", "file_sampling_rate", "ogg_crc",
+    "read_audio_file", "resample_audio", "resample_stream", "set_ogg_serial", "streamed_wav_header",
     "write_atomically", "write_audio",
 ]

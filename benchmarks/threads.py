@@ -5,8 +5,8 @@
 
 For each number of busy loops (processes spinning on a core, started by this script, as other work on a shared
 machine would) and each thread count, a fresh process loads the checkpoint with `OMP_NUM_THREADS=N` (and
-`OMP_WAIT_POLICY=PASSIVE`), runs one warm-up `generate`, then times `generate` of `--frames` frames with a seed,
-best of 3. It also prints a digest of the codes, so that the same seed at different thread counts can be compared.
+`OMP_WAIT_POLICY=PASSIVE`, or `--wait-policy`), runs one warm-up `generate`, then times `generate` of `--frames` frames with a seed,
+best of 3. It also prints digests of the codes and of the audio, so that the same seed at different thread counts can be compared.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ run()  # warm-up
 times, out = [], None
 for _ in range(3):
     start = time.perf_counter(); out = run(); times.append(time.perf_counter() - start)
-digest = hashlib.sha256(out.codes[0].numpy().tobytes() + out.audio[0].numpy().tobytes()).hexdigest()[:12]
+codes = hashlib.sha256(out.codes[0].numpy().tobytes()).hexdigest()[:8]
+audio = hashlib.sha256(out.audio[0].numpy().tobytes()).hexdigest()[:8]
+digest = f"codes {codes}, audio {audio}"
 print(json.dumps({"seconds": min(times), "frames": out.codes[0].shape[-1], "threads": torch.get_num_threads(),
                   "digest": digest}))
 """
@@ -58,8 +60,11 @@ def checkpoint(name: str) -> str:
     return path
 
 
-def measure(path: str, frames: int, threads: int) -> dict:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": "PASSIVE"}
+def measure(path: str, frames: int, threads: int, wait_policy: str | None) -> dict:
+    env = {key: value for key, value in os.environ.items() if key not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")}
+    env["OMP_NUM_THREADS"] = str(threads)
+    if wait_policy is not None:
+        env["OMP_WAIT_POLICY"] = wait_policy
     result = subprocess.run([sys.executable, "-c", CHILD, path, str(frames)], env=env, capture_output=True,
                             text=True, check=True)
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -71,8 +76,10 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=24)
     parser.add_argument("--busy", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--wait-policy", choices=["PASSIVE", "ACTIVE", "unset"], default="PASSIVE",
+                        help="OMP_WAIT_POLICY of the measured process (unset: the OpenMP runtime's default)")
     args = parser.parse_args()
-    print(f"{os.cpu_count()} CPUs; load average before: {os.getloadavg()}")
+    print(f"{os.cpu_count()} CPUs; load average before: {os.getloadavg()}; OMP_WAIT_POLICY {args.wait_policy}")
     for name in args.configs:
         path = checkpoint(name)
         for busy in args.busy:
@@ -80,7 +87,8 @@ def main() -> None:
             for loop in loops:
                 loop.start()
             try:
-                row = {threads: measure(path, args.frames, threads) for threads in args.threads}
+                policy = None if args.wait_policy == "unset" else args.wait_policy
+                row = {threads: measure(path, args.frames, threads, policy) for threads in args.threads}
             finally:
                 for loop in loops:
                     loop.terminate()

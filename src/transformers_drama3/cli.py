@@ -306,7 +306,16 @@ def is_main_process() -> bool:
     return parallel.is_main_process()
 
 
+def default_threads_wait_passively() -> None:
+    """Unless the user chose otherwise, let idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`):
+    on a CPU shared with other work, spinning threads fight it for the cores and generation ran several times slower
+    (docs/performance.md, "Threads"). Read by the OpenMP runtime when torch loads, so called before torch is imported;
+    the thread count stays torch's default (one per core), which the same figures favour."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def main(argv: list[str] | None = None) -> int:
+    default_threads_wait_passively()
     parser = build_parser()
     args = parser.parse_args(argv)
     check_usage(parser, args)

@@ -16,8 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..cli import INTERRUPTED
-from ..testing import default_tiny_checkpoint
+from ..cli import INTERRUPTED, default_threads_wait_passively
 from .settings import ServerSettings
 
 API_KEY_VARIABLE = "DRAMA3_API_KEY"
@@ -97,11 +96,13 @@ def voice_alias(text: str) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    default_threads_wait_passively()  # before torch loads (docs/serving.md, "Threads")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvicorn
 
+        from ..testing import default_tiny_checkpoint  # imports torch: after the thread settings above
         from .app import create_app
     except ImportError as error:
         print(f"drama3-serve: error: {error.name} is missing; install the server with "

@@ -51,8 +51,8 @@ RESULTS_FILE = "results.jsonl"
 RECORDS_FOLDER = ".drama3-jobs"  # per-process record files of runs not merged yet
 ITEM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMATS = ("wav", "flac", "ogg")
-SAMPLING_FIELDS = {"temperature": (int, float), "top_p": (int, float), "top_k": int, "max_new_tokens": int,
-                   "greedy": bool}
+SAMPLING_FIELDS = {"temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
+                   "top_k": (int, "an integer"), "max_new_tokens": (int, "an integer"), "greedy": (bool, "true or false")}
 FIELDS = {"id", "text", "text_file", "voice", "references", "speaker", "seed", "format", *SAMPLING_FIELDS}
 MAX_SEED = 2**63
 
@@ -162,8 +162,8 @@ def _checked_item(entry, where: str, number: int, folder: Path, base_seed: int, 
     audio_format = value("format", str, f"one of {list(FORMATS)}") or "wav"
     if audio_format not in FORMATS:
         raise ManifestError(f"{where}: format must be one of {list(FORMATS)}, got {audio_format!r}")
-    for name, kinds in SAMPLING_FIELDS.items():
-        if value(name, kinds, "a number" if name != "greedy" else "true or false") is not None:
+    for name, (kinds, what) in SAMPLING_FIELDS.items():
+        if value(name, kinds, what) is not None:
             settings[name] = entry[name]
     if settings.pop("greedy", False):
         settings["do_sample"] = False
@@ -185,7 +185,7 @@ class JobPlan:
     run_id: str
     chunk_bytes: int
     batches: list[list[int]]
-    prepared: dict  # item index -> (text chunks, references) of the items whose text and voices were read
+    prepared: dict  # item index -> (text, its chunks, references) of the items whose text and voices were read
     failures: dict  # item index -> error of the items that failed before any model work
     skipped: int  # items done by an earlier run
 
@@ -213,21 +213,21 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
             prepared[index] = _read_item(item, processor, chunk_bytes)
         except (OSError, ValueError, TypeError) as error:
             failures[index] = str(error)
-    short = [index for index, (chunks, _) in prepared.items() if len(chunks) == 1]
+    short = [index for index, (_, chunks, _) in prepared.items() if len(chunks) == 1]
     if sort_by_length:
-        short.sort(key=lambda index: (len(prepared[index][0][0].encode()), index))
+        short.sort(key=lambda index: (len(prepared[index][0].encode()), index))
     groups: dict[str, list[int]] = {}
     for index in short:
         groups.setdefault(json.dumps(items[index].settings, sort_keys=True), []).append(index)
-    batches = [[index] for index, (chunks, _) in prepared.items() if len(chunks) > 1]
+    batches = [[index] for index, (_, chunks, _) in prepared.items() if len(chunks) > 1]
     batches += [members[start : start + batch_size] for members in groups.values()
                 for start in range(0, len(members), batch_size)]
     run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
     return JobPlan(items, output_dir, run_id, chunk_bytes, batches, prepared, failures, skipped)
 
 
-def _read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[list[str], list]:
-    """(text chunks, references) of an item: its text read and checked, its voices loaded, its recordings checked."""
+def _read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[str, list[str], list]:
+    """(text, its chunks, references) of an item: its text read and checked, its voices loaded, its recordings checked."""
     text = item.text if item.text_file is None else item.text_file.read_text(encoding="utf-8")
     if item.speaker is not None and not SPEAKER_TAG.match(text.lstrip(WHITE_SPACE)):
         text = f"<|speaker:{item.speaker}|> {text}"
@@ -236,7 +236,7 @@ def _read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[list[str], l
     for number, reference in enumerate(item.references):
         processor.check_text(reference["transcript"], f"references[{number}].transcript")
         processor.check_audio(str(reference["audio"]), where=f"references[{number}]")
-    return chunks, references + item.references
+    return text, chunks, references + item.references
 
 
 def read_records(output_dir: Path) -> list[dict]:
@@ -313,7 +313,7 @@ def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: 
     members, references = [], []
     for index in batch:
         try:
-            references.append(encoded_references(processor, plan.prepared[index][1], model.codec))
+            references.append(encoded_references(processor, plan.prepared[index][2], model.codec))
             members.append(index)
         except (OSError, ValueError, TypeError) as error:
             record(index, status="failed", error=str(error))
@@ -350,14 +350,14 @@ def speak_batch(model, processor, plan: JobPlan, members: list[int], references:
     """(audio `[samples]`, frames, finish reason, chunks) of each member: one batched `generate` with a seed per
     sequence for items of one chunk, `synthesize` for an item of several (a batch of its own)."""
     items = [plan.items[index] for index in members]
-    chunks = [plan.prepared[index][0] for index in members]
+    text, chunks, _ = plan.prepared[members[0]]
     settings = items[0].settings  # the same for every item of a batch (plan_job groups them)
-    if len(chunks[0]) > 1:
-        speech = synthesize(model, processor, "".join(chunks[0]), references[0], chunk_bytes=plan.chunk_bytes,
+    if len(chunks) > 1:
+        speech = synthesize(model, processor, text, references[0], chunk_bytes=plan.chunk_bytes,
                             seed=items[0].seed, show_progress=False, **settings)
         cut = [reason for reason in speech.finish_reasons if reason != "eos"]
         return [(speech.audio, speech.num_frames, (cut or ["eos"])[0], len(speech.texts))]
-    inputs = processor([texts[0] for texts in chunks], references=references)
+    inputs = processor([plan.prepared[index][1][0] for index in members], references=references)
     device = model.input_device
     output = model.generate(inputs["input_ids"].to(device), inputs["attention_mask"].to(device),
                             seed=[item.seed for item in items], **settings)

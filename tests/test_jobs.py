@@ -17,7 +17,9 @@ import pytest
 import torch
 
 from transformers_drama3 import cli
-from transformers_drama3.jobs import RECORDS_FOLDER, ManifestError, read_manifest, records_in, run_manifest
+from transformers_drama3.jobs import (
+    RECORDS_FOLDER, ManifestError, plan_job, read_manifest, records_in, run_manifest,
+)
 from transformers_drama3.processing_drama3 import Drama3Processor
 
 from .conftest import GOLDEN_TINY
@@ -161,6 +163,27 @@ def test_a_killed_job_is_finished_by_a_rerun_that_makes_only_the_missing_items(j
     assert made_now == {f"item{index:02d}" for index in range(16)} - killed - {BAD_ITEM}
     assert files(tmp_path / "out") == files(out)
     assert not [path for path in (tmp_path / "out").iterdir() if path.name.endswith(".tmp")]
+
+
+def test_text_files_speakers_and_seeds_from_the_item(tmp_path):
+    """`text_file` is read relative to the manifest, `speaker` tags untagged text, an item's seed depends on its id
+    (and the base seed), not on its line; the plan batches by length and never mixes settings."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("Read from a file, a rather long line.", encoding="utf-8")
+    lines = [{"id": "a", "text_file": "texts/a.txt", "speaker": 2}, {"id": "b", "text": "<|speaker:1|> Tagged."},
+             {"id": "c", "text": "Hi.", "greedy": True}, {"id": "d", "text": "Hello there."}]
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    reversed_manifest = tmp_path / "reversed.jsonl"
+    reversed_manifest.write_text("".join(json.dumps(line) + "\n" for line in lines[::-1]))
+    items = read_manifest(manifest)
+    assert [item.seed for item in items] == [item.seed for item in read_manifest(reversed_manifest)][::-1]
+    assert items[0].seed != read_manifest(manifest, base_seed=1)[0].seed
+    assert items[2].settings == {"do_sample": False}
+    plan = plan_job(items, tmp_path / "out", Drama3Processor.from_pretrained(GOLDEN_TINY), batch_size=2)
+    assert plan.prepared[0][1] == ["<|speaker:2|> Read from a file, a rather long line."]
+    assert plan.prepared[1][1] == ["<|speaker:1|> Tagged."]
+    assert plan.batches == [[2], [1, 3], [0]]  # by length, c alone (greedy): "Hi." < "Tagged." < "Hello there." < a
 
 
 @pytest.mark.parametrize("line, message", [

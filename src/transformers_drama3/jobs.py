@@ -215,7 +215,7 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
             failures[index] = str(error)
     short = [index for index, (_, chunks, _) in prepared.items() if len(chunks) == 1]
     if sort_by_length:
-        short.sort(key=lambda index: (len(prepared[index][0].encode()), index))
+        short.sort(key=lambda index: (len(prepared[index][1][0].encode()), index))
     groups: dict[str, list[int]] = {}
     for index in short:
         groups.setdefault(json.dumps(items[index].settings, sort_keys=True), []).append(index)

@@ -289,6 +289,7 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
             file.write(json.dumps(entry) + "\n")
             file.flush()  # on disk at once: a kill loses only the batch in flight
             progress.add(entry)
+            progress.show()
 
         if parallel.is_main_process():
             for index, error in plan.failures.items():
@@ -367,29 +368,37 @@ def speak_batch(model, processor, plan: JobPlan, members: list[int], references:
 
 class JobProgress:
     """One bar for the whole job on rank 0: the items every rank of this run has recorded (the other ranks' are read
-    from their record files after each batch), the seconds of audio made, and tqdm's ETA."""
+    from their record files after each batch, each file from where the last read stopped), the seconds of audio
+    made, and tqdm's ETA."""
 
     def __init__(self, plan: JobPlan, enabled: bool):
         self.plan, self.enabled = plan, enabled
         self.bar = tqdm(total=len(plan.prepared) + len(plan.failures), unit="item", disable=not enabled)
-        self.own, self.own_seconds, self.others, self.other_seconds = 0, 0.0, 0, 0.0
+        self.items, self.seconds = 0, 0.0
+        self.read_to: dict[Path, int] = {}  # another rank's record file -> the bytes of it counted so far
 
     def add(self, entry: dict) -> None:
-        self.own, self.own_seconds = self.own + 1, self.own_seconds + entry.get("seconds", 0.0)
-        self.show()
+        self.items, self.seconds = self.items + 1, self.seconds + entry.get("seconds", 0.0)
 
     def count_other_ranks(self) -> None:
         if not self.enabled:
             return
         mine = f"{self.plan.run_id}-rank{parallel.rank()}.jsonl"
-        others = [record for path in (self.plan.output_dir / RECORDS_FOLDER).glob(f"{self.plan.run_id}-rank*.jsonl")
-                  if path.name != mine for record in records_in(path)]
-        self.others, self.other_seconds = len(others), sum(record.get("seconds", 0.0) for record in others)
+        for path in (self.plan.output_dir / RECORDS_FOLDER).glob(f"{self.plan.run_id}-rank*.jsonl"):
+            if path.name == mine:
+                continue
+            with open(path, "rb") as file:
+                file.seek(self.read_to.get(path, 0))
+                complete = file.read().rpartition(b"\n")[0]  # whole lines only: a rank may be writing one
+            if complete:
+                self.read_to[path] = self.read_to.get(path, 0) + len(complete) + 1
+                for line in complete.decode("utf-8").splitlines():
+                    self.add(json.loads(line))
         self.show()
 
     def show(self) -> None:
-        self.bar.n = self.own + self.others
-        self.bar.set_postfix_str(f"{self.own_seconds + self.other_seconds:.1f} s of audio", refresh=False)
+        self.bar.n = self.items
+        self.bar.set_postfix_str(f"{self.seconds:.1f} s of audio", refresh=False)
         self.bar.refresh()
 
     def close(self) -> None:

@@ -36,7 +36,8 @@ def main() -> None:
     summary = run_manifest(model, processor, manifest, args.output_dir, seed=1, **settings)
     print(f"{summary.done} made, {summary.failed} failed ({summary.seconds:.2f} s of audio)")
     for record in records_in(summary.results):
-        print(f"  {record['file']:16s} {record['frames']:3d} frames, {record['seconds']:.2f} s, {record['finish_reason']}")
+        print(f"  {record['file']:16s} {record['frames']:3d} frames, {record['seconds']:.2f} s, "
+              f"{record['finish_reason']}")
     again = run_manifest(model, processor, manifest, args.output_dir, seed=1, **settings)
     print(f"again: {again.done} made, {again.skipped} already done")
 

@@ -2,7 +2,8 @@
 (docs/scaling.md).
 
     drama3-tts --model DIR --manifest jobs.jsonl --output-dir out/
-    torchrun --nnodes 2 --nproc-per-node 8 ... -m transformers_drama3.cli --model DIR --manifest jobs.jsonl --output-dir out/
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m transformers_drama3.cli --model DIR --manifest jobs.jsonl \
+        --output-dir /shared/out/
 
 A manifest is JSON Lines, one item a line: `id`, `text` or `text_file`, and optionally `voice` (voice files),
 `references` (`[{"audio": FILE, "transcript": TEXT}]`), `speaker`, `seed`, `format` (wav, flac, ogg) and sampling
@@ -17,10 +18,10 @@ What a run does (`run_job`):
   rerun tries it again;
 - items of one chunk are batched by length (the same sampling settings in a batch) through `generate` with one seed
   per sequence, so each item gets the audio it gets alone; text of several chunks goes through `synthesize`;
-- under torch.distributed (`torchrun`, `accelerate launch`) the batches are formed from all pending items the same
-  way on every rank and dealt out round-robin, one share per model (a rank with a whole model, or all ranks when the
-  model is split over them): an item's seed comes from its id (or its `seed`), never from the rank, so its audio is
-  the same whatever the number of ranks;
+- under torch.distributed (`torchrun`, `accelerate launch`) rank 0 reads the manifest and forms the batches of the
+  pending items as one process would (`plan_job`), and the batches are dealt out round-robin, one share per model (a
+  rank with a whole model, or all ranks when the model is split over them): an item's seed comes from its id (or its
+  `seed`), never from the rank, so its audio is the same whatever the number of ranks;
 - every finished item is appended at once to this process's record file in `DIR/.drama3-jobs/`, so a crash or a kill
   loses only the batches in flight; at the end rank 0 merges the record files into `results.jsonl`.
 """
@@ -52,7 +53,8 @@ RECORDS_FOLDER = ".drama3-jobs"  # per-process record files of runs not merged y
 ITEM_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 FORMATS = ("wav", "flac", "ogg")
 SAMPLING_FIELDS = {"temperature": ((int, float), "a number"), "top_p": ((int, float), "a number"),
-                   "top_k": (int, "an integer"), "max_new_tokens": (int, "an integer"), "greedy": (bool, "true or false")}
+                   "top_k": (int, "an integer"), "max_new_tokens": (int, "an integer"),
+                   "greedy": (bool, "true or false")}
 FIELDS = {"id", "text", "text_file", "voice", "references", "speaker", "seed", "format", *SAMPLING_FIELDS}
 MAX_SEED = 2**63
 
@@ -200,6 +202,9 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
     if chunk_bytes < MIN_CHUNK_BYTES:
         raise ValueError(f"chunk_bytes must be >= {MIN_CHUNK_BYTES}, got {chunk_bytes}")
     output_dir = Path(output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise NotADirectoryError(f"the output folder {str(output_dir)!r} is a file: give a folder (it is created if "
+                                 "missing)")
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / RECORDS_FOLDER).mkdir(exist_ok=True)
     done = {record["id"]: record for record in read_records(output_dir) if record.get("status") == "done"}
@@ -222,12 +227,13 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
     batches = [[index] for index, (_, chunks, _) in prepared.items() if len(chunks) > 1]
     batches += [members[start : start + batch_size] for members in groups.values()
                 for start in range(0, len(members), batch_size)]
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S')}-{secrets.token_hex(3)}"
+    now = time.time_ns()  # run ids sort in time order, so the newest record of an item is read last
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now // 10**9))}.{now % 10**9:09d}-{secrets.token_hex(3)}"
     return JobPlan(items, output_dir, run_id, chunk_bytes, batches, prepared, failures, skipped)
 
 
 def _read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[str, list[str], list]:
-    """(text, its chunks, references) of an item: its text read and checked, its voices loaded, its recordings checked."""
+    """(text, its chunks, references) of an item: the text read and checked, voices loaded, recordings checked."""
     text = item.text if item.text_file is None else item.text_file.read_text(encoding="utf-8")
     if item.speaker is not None and not SPEAKER_TAG.match(text.lstrip(WHITE_SPACE)):
         text = f"<|speaker:{item.speaker}|> {text}"

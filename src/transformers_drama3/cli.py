@@ -326,8 +326,10 @@ def main(argv: list[str] | None = None) -> int:
             flags = check_generation_flags(parser, args)
             if under_torchrun():
                 from . import parallel
+                from .jobs import JOB_COLLECTIVE_TIMEOUT
 
-                parallel.init_process_group()
+                # A manifest job's ranks meet only at its end, after their last batches, which may differ by hours.
+                parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if args.manifest is not None else None)
                 notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
     except KeyboardInterrupt:

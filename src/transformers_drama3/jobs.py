@@ -35,6 +35,7 @@ import re
 import secrets
 import time
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -57,6 +58,9 @@ SAMPLING_FIELDS = {"temperature": ((int, float), "a number"), "top_p": ((int, fl
                    "greedy": (bool, "true or false")}
 FIELDS = {"id", "text", "text_file", "voice", "references", "speaker", "seed", "format", *SAMPLING_FIELDS}
 MAX_SEED = 2**63
+# How long a rank waits for the others at the end of a job (torch's default, 30 minutes, is shorter than the last
+# batch of a rank can take on a big job): give it to `torch.distributed.init_process_group(timeout=...)`.
+JOB_COLLECTIVE_TIMEOUT = timedelta(hours=24)
 
 
 class ManifestError(ValueError):
@@ -277,7 +281,8 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
     """Run this process's share of `plan` with `model`, then merge the records into `results.jsonl` (on rank 0).
 
     Under torch.distributed every rank calls it with the same plan: a rank holding a whole model takes every
-    world-size-th batch; a model split over all ranks runs every batch on every rank, and rank 0 writes.
+    world-size-th batch; a model split over all ranks runs every batch on every rank, and rank 0 writes. The ranks
+    meet at the end: start the process group with `timeout=JOB_COLLECTIVE_TIMEOUT` (the CLI does).
     """
     distributed = dist.is_available() and dist.is_initialized()
     sharded = parallel.is_sharded(model)
@@ -447,6 +452,6 @@ def run_manifest(model, processor, manifest: str | os.PathLike, output_dir: str 
     return run_job(model, processor, parallel.run_on_main_process(plan), show_progress=show_progress)
 
 
-__all__ = ["JobItem", "JobPlan", "JobProgress", "JobSummary", "ManifestError", "encoded_references", "item_seed",
+__all__ = ["JOB_COLLECTIVE_TIMEOUT", "JobItem", "JobPlan", "JobProgress", "JobSummary", "ManifestError", "encoded_references", "item_seed",
            "merge_records", "plan_job", "read_manifest", "read_records", "records_in", "run_batch", "run_job",
            "run_manifest", "speak_batch"]

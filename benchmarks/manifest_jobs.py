@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import loading
 from transformers_drama3.jobs import records_in, run_manifest
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.testing import default_tiny_checkpoint
@@ -91,7 +91,7 @@ def main() -> None:
             ranks.append(run_command(checkpoint, manifest, folder / f"ranks{count}-{repeat}", count, args))
             print(ranks[-1], flush=True)
 
-    model = cli.load_model(checkpoint, "cpu", torch.float32)
+    model = loading.load_model(checkpoint, "cpu", torch.float32)
     processor = Drama3Processor.from_pretrained(checkpoint)
     order = []
     for repeat in range(args.repeats):

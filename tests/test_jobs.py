@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import cli, loading
 from transformers_drama3.jobs import (
     RECORDS_FOLDER, ManifestError, plan_job, read_manifest, records_in, run_manifest,
 )
@@ -69,7 +69,7 @@ def files(folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def model():
     """Loaded as the CLI loads it, so that its files can be compared with the CLI's byte for byte."""
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
 
 
 @pytest.fixture(scope="module")

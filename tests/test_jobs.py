@@ -210,10 +210,13 @@ def test_manifest_errors_name_the_line(tmp_path, line, message):
 
 
 def test_the_cli_refuses_a_bad_manifest_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """Before the checkpoint is even looked for (a Hub id would be downloaded): here one that does not exist."""
     (tmp_path / "jobs.jsonl").write_text('{"id": "a", "text": "Hello.", "top_k": 1.5}\n')
     monkeypatch.setattr(cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
-    status = cli.main([*CLI_FLAGS, "--manifest", str(tmp_path / "jobs.jsonl"), "--output-dir", str(tmp_path / "o")])
+    status = cli.main(["--model", str(tmp_path / "missing"), "--manifest", str(tmp_path / "jobs.jsonl"),
+                       "--output-dir", str(tmp_path / "o")])
     assert status == 1 and "jobs.jsonl line 1: top_k must be an integer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("argv, message", [

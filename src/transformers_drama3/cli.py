@@ -413,10 +413,11 @@ def _run_manifest(args: argparse.Namespace, flags: dict, notes: _Notes, device, 
     from .jobs import plan_job, read_manifest, run_job
     from .processing_drama3 import Drama3Processor
 
+    items = _on_main_process(read_manifest, args.manifest, args.seed or 0, flags)  # before any download
     path = _checkpoint(args)
     processor = _loaded(Drama3Processor.from_pretrained, path)
-    plan = _on_main_process(lambda: plan_job(read_manifest(args.manifest, args.seed or 0, flags), args.output_dir,
-                                             processor, batch_size=args.batch_size, chunk_bytes=args.chunk_bytes))
+    plan = _on_main_process(lambda: plan_job(items, args.output_dir, processor, batch_size=args.batch_size,
+                                             chunk_bytes=args.chunk_bytes))
     if under_torchrun() and args.parallel is None:
         from . import parallel
 

@@ -218,6 +218,8 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
         if record and record.get("fingerprint") == item.fingerprint and (output_dir / item.file_name).is_file():
             skipped += 1
             continue
+        for leftover in output_dir.glob(f".{item.file_name}.*.tmp"):  # a write cut short by a kill
+            leftover.unlink(missing_ok=True)
         try:
             prepared[index] = _read_item(item, processor, chunk_bytes)
         except (OSError, ValueError, TypeError) as error:

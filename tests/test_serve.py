@@ -22,7 +22,7 @@ import soundfile
 import soxr
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import loading
 from transformers_drama3.audio_io import OGG_SERIAL, set_ogg_serial
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
@@ -72,7 +72,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def reference():
     """A second copy of the checkpoint, loaded as the server loads it, to compute the expected audio here."""
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
 
 
 def pcm16(audio: torch.Tensor) -> np.ndarray:
@@ -387,14 +387,14 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     files = {"audio": ("me.wav", sine_wav(1.0), "audio/wav")}
     created = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."}, files=files)
     assert created.status_code == 201, created.text
-    assert created.json()["id"] == "me" and (voices_dir / "me.safetensors").is_file()
+    assert created.json()["id"] == "me" and (voices_dir / "me.voice.safetensors").is_file()
     assert "me" in [voice["id"] for voice in http.get("/v1/voices").json()["data"]]
     again = http.post("/v1/voices", data={"name": "me", "transcript": "Again."}, files=files)
     assert again.status_code == 409
 
     response = speech(http, input="Hello there.", voice="me", temperature=0, max_new_tokens=4, response_format="wav")
     model, processor = reference
-    voice = Drama3Voice.load(voices_dir / "me.safetensors")
+    voice = Drama3Voice.load(voices_dir / "me.voice.safetensors")
     output = model.generate(**processor("Hello there.", references=[voice]), do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
     aliased = speech(http, input="Hello there.", voice="nova", temperature=0, max_new_tokens=4, response_format="wav")

@@ -247,7 +247,7 @@ def voice_name(name: str, aliases: dict[str, str], voices: VoiceLibrary) -> str:
     """The saved voice a requested name means: its `--voice-alias`, else itself; one of OpenAI's voice names that
     is neither aliased nor saved means `default`."""
     name = aliases.get(name, name)
-    if name in OPENAI_VOICES and not voices.exists(name):
+    if name in OPENAI_VOICES and name not in voices.names():
         return DEFAULT_VOICE
     return name
 

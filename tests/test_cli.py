@@ -17,7 +17,7 @@ import torch
 from transformers_drama3 import cli
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, default_sigint
 
 MODEL = ["--model", str(GOLDEN_TINY)]
 FAST = ["--max-new-tokens", "2", "--quiet"]
@@ -109,7 +109,7 @@ def test_sigterm_while_streaming_leaves_no_file(tmp_path):
 
 def test_ctrl_c_while_loading_is_one_line(tmp_path):
     process = subprocess.Popen([*CLI, *MODEL, "Hello there.", "-o", str(tmp_path / "x.wav")],
-                               stderr=subprocess.PIPE, text=True, env=ENV)
+                               stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=default_sigint)
     first_line = process.stderr.readline()  # "loading ...": the command line is checked, the model is loading
     assert first_line.startswith("loading"), first_line
     process.send_signal(signal.SIGINT)

@@ -16,18 +16,10 @@ from transformers import AutoConfig, AutoModel
 
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers_drama3.configuration_drama3 import FishDACConfig
-from transformers_drama3.modeling_codec import (
-    CausalConv1d,
-    FishDACCodec,
-    FishDACLoadError,
-    VectorQuantizer,
-    WindowedAttention,
-    apply_rope,
-    load_codec_state_dict,
-    load_codec_weights,
-    original_codec_key_shapes,
-    rope_table,
-)
+from transformers_drama3.codec_blocks import FishDACCausalConv1d, FishDACWindowedAttention, apply_rope, rope_table
+from transformers_drama3.codec_file import original_codec_key_shapes
+from transformers_drama3.codec_layout import FishDACLoadError, load_codec_state_dict, load_codec_weights
+from transformers_drama3.modeling_codec import FishDACCodec, FishDACVectorQuantizer
 from transformers_drama3.audio_io import resample_audio
 from transformers_drama3.testing import random_original_codec_state_dict
 
@@ -299,7 +291,7 @@ def test_tf32_is_off_while_the_codec_runs_and_restored(codec, expected, monkeypa
 
 def test_windowed_attention_matches_masked_full_attention():
     torch.manual_seed(0)
-    attention = WindowedAttention(dim=16, n_head=2, head_dim=8, window=5).double()
+    attention = FishDACWindowedAttention(dim=16, n_head=2, head_dim=8, window=5).double()
     x = torch.randn(2, 23, 16, dtype=torch.float64)  # several query blocks of `window`
     rope = rope_table(torch.arange(23), 8, 10000)
     q, k, v = attention.wqkv(x).view(2, 23, 3, 2, 8).unbind(2)
@@ -408,7 +400,7 @@ def test_folded_weight_norm_equals_unfolded_modules(codec):
     reference = weight_normed(torch.nn.Conv1d(16, 16, 7, dilation=3), g, v)
     reference.bias.data.copy_(state[prefix + "bias"])
     folded = codec.encoder.blocks[2].residual_units[1].conv1
-    assert isinstance(folded, CausalConv1d)
+    assert isinstance(folded, FishDACCausalConv1d)
     # The weight norm sums 16 * 7 squares, the conv 16 inputs * 7 taps.
     wanted = reference(F.pad(x, (18, 0)))
     torch.testing.assert_close(folded(x), wanted, **reordering_tolerance(wanted, 16 * 7 + 16 * 7 + 2))
@@ -425,7 +417,7 @@ def test_vq_out_proj_folded_into_table(codec):
     ids = torch.tensor([[0, 5, 31, 7]])
     reference = out_proj(F.embedding(ids, state[prefix + "codebook.weight"]).transpose(1, 2))  # [1, 64, 4]
     vq = codec.quantizer.codebooks[5]
-    assert isinstance(vq, VectorQuantizer) and vq.table.shape == (32, 64)
+    assert isinstance(vq, FishDACVectorQuantizer) and vq.table.shape == (32, 64)
     # The weight norm sums 8 squares, the 1x1 conv 8 inputs (tolerances.py).
     torch.testing.assert_close(vq.decode(ids), reference, **reordering_tolerance(reference, 8 + 8 + 2))
 

@@ -11,12 +11,8 @@ import torch
 from safetensors import safe_open
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.modeling_codec import (
-    FishDACLoadError,
-    load_codec_state_dict,
-    load_codec_weights,
-    original_codec_key_shapes,
-)
+from transformers_drama3.codec_file import original_codec_key_shapes
+from transformers_drama3.codec_layout import FishDACLoadError, load_codec_state_dict, load_codec_weights
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY

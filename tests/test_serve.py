@@ -28,7 +28,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, default_sigint
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -425,7 +425,7 @@ def test_drama3_serve_command(tmp_path):
     with open(log, "w") as output:
         command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
                    "--max-frames", "8", "--fast-decode"]
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT

@@ -305,8 +305,8 @@ def test_request_references_clone_a_voice(http, reference):
     assert response.status_code == 200, response.text
     model, processor = reference
     samples, rate = soundfile.read(io.BytesIO(audio), dtype="float32")
-    inputs = processor("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
-                                                    "sampling_rate": rate}], codec=model.codec)
+    inputs = processor.with_codec(model.codec)("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
+                                                    "sampling_rate": rate}])
     output = model.generate(**inputs, do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
 

@@ -364,9 +364,10 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     for file, voice in zip(args.voice, voices):
         processor.check_reference(voice, f"--voice {file}")
     model = _load(args, notes, path, device, dtype)
+    processor.codec = model.codec
 
     references = [  # encoded once, here, so that notes about the recordings come before the progress bars
-        {"transcript": transcript, "codes": processor.encode_audio(audio, codec=model.codec, where=f"--reference {n}")}
+        {"transcript": transcript, "codes": processor.encode_audio(audio, where=f"--reference {n}")}
         for n, (audio, transcript) in enumerate(zip(args.reference, args.reference_text), start=1)
     ] + voices
     notes.say_all()

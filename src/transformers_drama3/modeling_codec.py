@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +33,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from transformers import initialization as init
 from transformers.modeling_utils import PreTrainedAudioTokenizerBase
+from transformers.utils import ModelOutput
 
-from .audio_io import resample_audio
+from .audio_io import check_audio_layout, resample_audio
 from .codec_blocks import (
     FishDACCausalConv1d,
     FishDACCausalConvTranspose1d,
@@ -52,6 +54,7 @@ from .codec_layout import (
     load_original_state_dict,
     original_state_dict,
 )
+from .codes import check_codes
 from .configuration_drama3 import FishDACConfig
 
 INIT_STD = 0.02  # standard deviation of a new codec's conv and linear weights
@@ -230,34 +233,21 @@ class FishDACQuantizer(nn.Module):
 # Input checks
 # --------------------------------------------------------------------------------------------------------------
 
-def _as_tensor(value: Any, what: str) -> Tensor:
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, (np.ndarray, list, tuple)):
-        return torch.as_tensor(np.asarray(value))
-    raise TypeError(f"{what} must be a torch.Tensor or numpy array, got {type(value).__name__}")
-
-
-def _check_codes(codes: Any, codebook_sizes: list[int]) -> Tensor:
-    """Validate `[batch, codebooks, frames]` integer codes and clamp each codebook to its size
-    (docs/format.md#codec-decoding)."""
-    codes = _as_tensor(codes, "codes")
-    if codes.is_floating_point() or codes.is_complex() or codes.dtype == torch.bool:
-        raise TypeError(f"codes must be an integer tensor (torch.long), got {codes.dtype}")
-    if codes.ndim != 3 or codes.shape[1] != len(codebook_sizes):
-        raise ValueError(
-            f"codes must have shape [batch, {len(codebook_sizes)}, frames] (one row per codebook), "
-            f"got {list(codes.shape)}"
-        )
-    if codes.numel() and bool((codes < 0).any()):
-        raise ValueError(f"codes must be non-negative codebook ids, got a minimum of {int(codes.min())}")
+def _clamped_codes(codes: Any, codebook_sizes: list[int]) -> Tensor:
+    """Checked `[batch, codebooks, frames]` codes (`check_codes`), each codebook's ids above its size clamped to its
+    last entry (docs/format.md#codec-decoding)."""
+    codes = check_codes(codes, len(codebook_sizes), batched=True)
     limits = torch.tensor(codebook_sizes, device=codes.device)[None, :, None] - 1
-    return torch.minimum(codes.long(), limits)
+    return torch.minimum(codes, limits)
 
 
-def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
-    """Validate audio and bring it to `[batch, samples]` mono (channels averaged); no resampling yet."""
-    audio = _as_tensor(audio, "audio")
+def _mono_audio(audio: Any, sampling_rate: int) -> Tensor:
+    """Checked float audio in the package's layout (`check_audio_layout`: `[samples]`, `[channels, samples]` or
+    `[batch, channels, samples]`) as mono `[batch, samples]`, channels averaged; no resampling yet."""
+    if not isinstance(audio, Tensor):
+        if not isinstance(audio, (np.ndarray, list, tuple)):
+            raise TypeError(f"audio must be a torch.Tensor or numpy array, got {type(audio).__name__}")
+        audio = torch.as_tensor(np.asarray(audio))
     if not audio.is_floating_point():
         raise TypeError(
             f"audio must be floating point samples in [-1, 1], got {audio.dtype}; convert integer PCM first "
@@ -265,23 +255,12 @@ def _check_audio(audio: Any, sampling_rate: int) -> Tensor:
         )
     if isinstance(sampling_rate, bool) or not isinstance(sampling_rate, (int, np.integer)) or sampling_rate <= 0:
         raise ValueError(f"sampling_rate must be a positive integer (Hz), got {sampling_rate!r}")
-    if audio.numel() == 0:
-        raise ValueError(f"audio is empty (shape {list(audio.shape)})")
-    if audio.ndim == 1:
-        audio = audio[None]
-    elif audio.ndim == 2:
-        if audio.shape[1] <= 8 < audio.shape[0]:
-            raise ValueError(
-                f"audio of shape {list(audio.shape)} looks like [samples, channels]; 2-D audio is [batch, samples]. "
-                "Pass multi-channel audio as [batch, channels, samples] (e.g. audio.T[None])"
-            )
-    elif audio.ndim == 3:
-        audio = audio.mean(dim=1)  # [batch, channels, samples] -> [batch, samples]
-    else:
-        raise ValueError(f"audio must be [samples], [batch, samples] or [batch, channels, samples], got {list(audio.shape)}")
+    check_audio_layout(tuple(audio.shape), "FishDACCodec.encode", batched=True)
     if not bool(torch.isfinite(audio).all()):
         raise ValueError("audio contains NaN or infinite samples")
-    return audio
+    if audio.ndim < 3:
+        audio = audio.reshape(1, -1, audio.shape[-1])  # one recording: [1, channels, samples]
+    return audio.mean(dim=1)  # [batch, samples]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -321,6 +300,29 @@ def _codec_inference(method: Callable) -> Callable:
             return method(self, *args, **kwargs)
 
     return run
+
+
+@dataclass
+class FishDACEncoderOutput(ModelOutput):
+    """What `FishDACCodec.encode` returns. audio_codes: `[batch, num_codebooks, frames]` int64 codes."""
+
+    audio_codes: Tensor | None = None
+
+
+@dataclass
+class FishDACDecoderOutput(ModelOutput):
+    """What `FishDACCodec.decode` and `FishDACStreamingDecoder.decode` return. audio_values: float32 audio
+    `[batch, 1, frames * frame_length]` in [-1, 1]."""
+
+    audio_values: Tensor | None = None
+
+
+@dataclass
+class FishDACOutput(ModelOutput):
+    """What `FishDACCodec.forward` returns: the `audio_codes` encoded (or given) and the `audio_values` decoded."""
+
+    audio_codes: Tensor | None = None
+    audio_values: Tensor | None = None
 
 
 class FishDACCodec(PreTrainedAudioTokenizerBase):
@@ -404,29 +406,42 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         return codec.eval()
 
     @_codec_inference
-    def decode(self, codes: Tensor) -> Tensor:
-        """codes `[batch, num_codebooks, frames]` -> float32 audio `[batch, frames * frame_length]` in [-1, 1].
+    def decode(self, audio_codes: Tensor) -> FishDACDecoderOutput:
+        """Codes `[batch, num_codebooks, frames]` -> `FishDACDecoderOutput` whose `audio_values` are float32 audio
+        `[batch, 1, frames * frame_length]` in [-1, 1] (mono, in the package's `[batch, channels, samples]` layout).
 
         Ids above a codebook's size are clamped to its last entry (docs/format.md#codec-decoding); negative ids are
         an error.
         """
-        codes = _check_codes(codes, self.quantizer.codebook_sizes)
+        codes = _clamped_codes(audio_codes, self.quantizer.codebook_sizes)
         if codes.shape[-1] == 0:
-            return torch.zeros(codes.shape[0], 0, device=codes.device)
-        return self.decoder(self.quantizer.decode(codes))[:, 0].float()
+            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=codes.device))
+        return FishDACDecoderOutput(self.decoder(self.quantizer.decode(codes)).float())  # [batch, 1, samples]
 
     @_codec_inference
-    def encode(self, audio: Tensor, sampling_rate: int) -> Tensor:
-        """Float audio -> codes `[batch, num_codebooks, ceil(samples / frame_length)]` (docs/format.md#codec-encoding).
+    def encode(self, audio: Tensor, sampling_rate: int) -> FishDACEncoderOutput:
+        """Float audio -> `FishDACEncoderOutput` whose `audio_codes` are `[batch, num_codebooks, ceil(samples /
+        frame_length)]` (docs/format.md#codec-encoding).
 
-        `audio` is `[samples]`, `[batch, samples]` or `[batch, channels, samples]` (channels are averaged to
-        mono). Audio at another rate is resampled to `config.sample_rate` with `resample_audio`; the result is
-        right-padded with zeros to a whole number of frames.
+        `audio` is in the package's layout: `[samples]` or `[channels, samples]` (one recording, batch 1) or
+        `[batch, channels, samples]`; channels are averaged to mono. Audio at another rate is resampled to
+        `config.sample_rate` with `resample_audio`; the result is right-padded with zeros to a whole number of
+        frames.
         """
-        audio = _check_audio(audio, sampling_rate)
+        audio = _mono_audio(audio, sampling_rate)  # [batch, samples]
         audio = resample_audio(audio, int(sampling_rate), self.config.sample_rate)
         audio = F.pad(audio, (0, -audio.shape[-1] % self.config.frame_length)).to(self.dtype)
-        return self.quantizer.encode(self.encoder(audio[:, None]))
+        return FishDACEncoderOutput(self.quantizer.encode(self.encoder(audio[:, None])))
+
+    def forward(self, audio: Tensor | None = None, sampling_rate: int | None = None,
+                audio_codes: Tensor | None = None) -> FishDACOutput:
+        """The codec's round trip, as transformers' DAC and Mimi run it: `audio` (with its `sampling_rate`) encoded to
+        `audio_codes`, unless codes are given, then decoded to `audio_values` (see `encode` and `decode`)."""
+        if (audio is None) == (audio_codes is None):
+            raise ValueError("FishDACCodec takes either `audio` (with `sampling_rate`) or `audio_codes`, not both")
+        if audio_codes is None:
+            audio_codes = self.encode(audio, sampling_rate).audio_codes
+        return FishDACOutput(audio_codes=audio_codes, audio_values=self.decode(audio_codes).audio_values)
 
     def stream(self) -> FishDACStreamingDecoder:
         """A new streaming decoder: feed it codes chunk by chunk to get the audio of each chunk right away."""
@@ -461,18 +476,19 @@ class FishDACStreamingDecoder:
         self._batch_size: int | None = None
 
     @_codec_inference
-    def decode(self, codes: Tensor) -> Tensor:
-        """codes `[batch, num_codebooks, n]` -> float32 audio `[batch, n * frame_length]` continuing the stream."""
-        codes = _check_codes(codes, self.codec.quantizer.codebook_sizes)
+    def decode(self, audio_codes: Tensor) -> FishDACDecoderOutput:
+        """Codes `[batch, num_codebooks, n]` -> `FishDACDecoderOutput`, `audio_values` float32 `[batch, 1, n *
+        frame_length]` continuing the stream."""
+        codes = _clamped_codes(audio_codes, self.codec.quantizer.codebook_sizes)
         if self._batch_size is not None and codes.shape[0] != self._batch_size:
             raise ValueError(f"this stream decodes a batch of {self._batch_size}, got a chunk of batch {codes.shape[0]}")
         self._batch_size = codes.shape[0]
         if codes.shape[-1] == 0:
-            return torch.zeros(codes.shape[0], 0, device=codes.device)
+            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=codes.device))
         latents = self.codec.quantizer.decode(codes, self._state)
-        audio = self.codec.decoder(latents, self._state)[:, 0].float()
+        audio = self.codec.decoder(latents, self._state).float()  # [batch, 1, samples]
         self.frames_decoded += codes.shape[-1]
-        return audio
+        return FishDACDecoderOutput(audio)
 
     def reset(self) -> None:
         """Forget the carried state, to start a new stream."""
@@ -487,7 +503,10 @@ class FishDACStreamingDecoder:
 __all__ = [
     "FishDACCodec",
     "FishDACDecoder",
+    "FishDACDecoderOutput",
     "FishDACEncoder",
+    "FishDACEncoderOutput",
+    "FishDACOutput",
     "FishDACQuantizer",
     "FishDACStreamingDecoder",
 ]

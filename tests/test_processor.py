@@ -662,6 +662,8 @@ def test_save_audio_formats(processor, tmp_path, suffix, file_format, subtype):
     if suffix != ".ogg":  # lossless: within 16-bit rounding
         read, _ = soundfile.read(path, dtype="float32")
         np.testing.assert_allclose(read, audio.numpy(), atol=1 / 32768)
+    one_channel = processor.save_audio(audio[None], tmp_path / f"channels{suffix}")  # [1, samples]: the same file
+    assert one_channel.read_bytes() == path.read_bytes()
 
 
 def test_save_audio_header_and_clipping(processor, tmp_path):

@@ -111,8 +111,8 @@ def write_audio(path: str | os.PathLike, audio: Any, sampling_rate: int) -> Path
     audio_file_format(path)
     rate = check_sampling_rate(sampling_rate, "save_audio")
     samples = _waveform(audio)
-    if samples.ndim == 2:
-        samples = samples.T  # soundfile wants [samples, channels]
+    if samples.ndim == 2:  # [channels, samples] -> soundfile's [samples, channels], or [samples] for one channel
+        samples = samples[0] if samples.shape[0] == 1 else samples.T
     elif samples.ndim != 1:
         raise ValueError(f"audio must be [samples] or [channels, samples]; got shape {samples.shape}")
     if not np.isfinite(samples).all():

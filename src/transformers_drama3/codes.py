@@ -36,7 +36,7 @@ def check_codes(codes: Any, num_codebooks: int | None, where: str = "codes", *, 
         raise ValueError(f"{where} must have shape {shape} (one row per codebook); got {list(codes.shape)}"
                          + (" (transposed? codes are [codebooks, frames])" if transposed else ""))
     if codes.numel():
-        low, high = int(codes.min()), int(codes.max())
+        low, high = torch.stack(torch.aminmax(codes)).tolist()  # one device-to-host copy for both
         if low < 0 or (vocab_size is not None and high >= vocab_size):
             limit = vocab_size if vocab_size is not None else "codebook size"
             raise ValueError(f"{where} has ids out of range [0, {limit}): min {low}, max {high}")

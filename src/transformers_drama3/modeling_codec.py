@@ -341,9 +341,9 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
     config_class = FishDACConfig
     base_model_prefix = ""
     main_input_name = "audio"  # what `encode` takes
-    _no_split_modules = ["FishDACCodec"]  # decoding runs through methods and lookup tables, not one `forward`
+    _no_split_modules = ["FishDACCodec"]  # encode/decode run through methods and lookup tables, outside hooks
     # The codec's attention is its own: causal attention inside a window of frames, computed block by block with
-    # torch's scaled_dot_product_attention (`WindowedAttention`) whatever `attn_implementation` says. It accepts every
+    # torch's scaled_dot_product_attention (`FishDACWindowedAttention`) whatever `attn_implementation` says. It accepts every
     # kernel the Drama 3 model accepts, so that `attn_implementation=...` given to `FishOmniForSpeech` (which reaches
     # every sub-config, this one too) loads, and leaves the codec's attention as it is.
     _supports_sdpa = True

@@ -285,14 +285,14 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     files = {"audio": ("me.wav", sine_wav(1.0), "audio/wav")}
     created = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."}, files=files)
     assert created.status_code == 201, created.text
-    assert created.json()["id"] == "me" and (voices_dir / "me.safetensors").is_file()
+    assert created.json()["id"] == "me" and (voices_dir / "me.voice.safetensors").is_file()
     assert "me" in [voice["id"] for voice in http.get("/v1/voices").json()["data"]]
     again = http.post("/v1/voices", data={"name": "me", "transcript": "Again."}, files=files)
     assert again.status_code == 409
 
     response = speech(http, input="Hello there.", voice="me", temperature=0, max_new_tokens=4, response_format="wav")
     model, processor = reference
-    voice = Drama3Voice.load(voices_dir / "me.safetensors")
+    voice = Drama3Voice.load(voices_dir / "me.voice.safetensors")
     output = model.generate(**processor("Hello there.", references=[voice]), do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
 

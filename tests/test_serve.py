@@ -31,7 +31,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, default_sigint
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -409,8 +409,8 @@ def test_request_references_clone_a_voice(http, reference):
     assert response.status_code == 200, response.text
     model, processor = reference
     samples, rate = soundfile.read(io.BytesIO(audio), dtype="float32")
-    inputs = processor("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
-                                                    "sampling_rate": rate}], codec=model.codec)
+    inputs = processor.with_codec(model.codec)("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
+                                                    "sampling_rate": rate}])
     output = model.generate(**inputs, do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
 
@@ -552,7 +552,7 @@ def test_drama3_serve_command(tmp_path):
     with open(log, "w") as output:
         command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
                    "--max-frames", "8", "--fast-decode"]
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT

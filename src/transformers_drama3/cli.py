@@ -35,7 +35,14 @@ from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
 from .cli_output import STDOUT, STDOUT_FORMATS, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
-from .loading import KERNEL_FALLBACK, load_model, load_parallel_model, resolve_device_and_dtype, under_torchrun
+from .loading import (
+    is_kernel_fallback,
+    load_model,
+    load_parallel_model,
+    missing_kernel_packages,
+    resolve_device_and_dtype,
+    under_torchrun,
+)
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
@@ -336,6 +343,7 @@ class _Notes(logging.Handler):
         self.messages: list[str] = []
         self.said: set[str] = set()
         self.on_cpu = True  # linear-attention kernels exist for GPUs only: no note about them on a CPU
+        self.kernel_fallback = False  # transformers said that a kernel package is missing (`is_kernel_fallback`)
 
     @classmethod
     @contextlib.contextmanager
@@ -363,7 +371,10 @@ class _Notes(logging.Handler):
             notes.say_all()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        if is_kernel_fallback(record):
+            self.kernel_fallback = True
+        else:
+            self.messages.append(record.getMessage())
 
     def say(self, message: str) -> None:
         if not self.quiet:
@@ -372,10 +383,9 @@ class _Notes(logging.Handler):
     def say_all(self) -> None:
         """Print the notes collected so far, each once; transformers' notes about missing GPU kernels are gathered
         into one (and left out on a CPU, where those kernels do not exist)."""
-        messages, self.messages = self.messages, []
-        missing = sorted({match.group(1) for message in messages if (match := KERNEL_FALLBACK.search(message))})
-        lines = [message for message in messages if not KERNEL_FALLBACK.search(message)]
-        if missing and not self.on_cpu:
+        lines, self.messages = self.messages, []
+        missing = missing_kernel_packages() if self.kernel_fallback and not self.on_cpu else []
+        if missing:
             lines.append(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed, so the "
                          "linear-attention layers run their reference PyTorch code (correct, but slower): "
                          f"pip install {' '.join(missing)}")
@@ -410,9 +420,10 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     for file, voice in zip(args.voice, voices):
         processor.check_reference(voice, f"--voice {file}")
     model = _load(args, notes, path, device, dtype)
+    processor.codec = model.codec
 
     references = [  # encoded once, here, so that notes about the recordings come before the progress bars
-        {"transcript": transcript, "codes": processor.encode_audio(audio, codec=model.codec, where=f"--reference {n}")}
+        {"transcript": transcript, "codes": processor.encode_audio(audio, where=f"--reference {n}")}
         for n, (audio, transcript) in enumerate(zip(args.reference, args.reference_text), start=1)
     ] + voices
     notes.say_all()

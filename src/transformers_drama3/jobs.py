@@ -354,9 +354,10 @@ def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: 
 
 def encoded_references(processor, references: list, codec) -> list:
     """Recordings among `references` (dicts with an audio path) encoded to codes with `codec`; voices as they are."""
+    processor = processor.with_codec(codec)
     return [reference if isinstance(reference, Drama3Voice) else
             {"transcript": reference["transcript"],
-             "codes": processor.encode_audio(str(reference["audio"]), codec=codec, where=str(reference["audio"]))}
+             "codes": processor.encode_audio(str(reference["audio"]), where=str(reference["audio"]))}
             for reference in references]
 
 

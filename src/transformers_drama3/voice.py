@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as save_safetensors_bytes
 
 from .audio_io import write_atomically
+from .codes import check_codes
 
 VOICE_FORMAT = "drama3-voice"
 VOICE_FORMAT_VERSION = "1"
@@ -41,17 +42,12 @@ class Drama3Voice:
     name: str | None = None
 
     def __post_init__(self):
-        codes = torch.as_tensor(self.codes)
-        if codes.ndim != 2 or codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
-            raise ValueError(
-                f"Drama3Voice.codes must be an integer tensor [num_codebooks, frames]; "
-                f"got {codes.dtype} {tuple(codes.shape)}"
-            )
+        codes = check_codes(self.codes, None, "Drama3Voice.codes")
         if not isinstance(self.transcript, str):
             raise TypeError(f"Drama3Voice.transcript must be a string; got {type(self.transcript).__name__}")
         if self.name is not None and not isinstance(self.name, str):
             raise TypeError(f"Drama3Voice.name must be a string or None; got {type(self.name).__name__}")
-        self.codes = codes.to(device="cpu", dtype=torch.long).contiguous()
+        self.codes = codes.cpu().contiguous()
 
     def __repr__(self) -> str:
         transcript = self.transcript if len(self.transcript) <= 60 else self.transcript[:57] + "..."

@@ -69,7 +69,7 @@ class SpeechService:
         device, dtype = resolve_device_and_dtype(settings.device, settings.dtype)
         logger.info("loading %s on %s (%s)", settings.model, device, str(dtype).removeprefix("torch."))
         model = load_model(settings.model, device, dtype)
-        processor = Drama3Processor.from_pretrained(settings.model)
+        processor = Drama3Processor.from_pretrained(settings.model, codec=model.codec)
         processor.max_reference_seconds = settings.max_reference_seconds
         step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
         worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
@@ -179,7 +179,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
 
         def encode():
-            return service.processor.create_voice(transcript, samples, rate, codec=service.model.codec, name=name)
+            return service.processor.create_voice(transcript, samples, rate, name=name)
 
         # The generation thread encodes it, between two batches: the model is used by one thread at a time.
         voice = await asyncio.get_running_loop().run_in_executor(service.worker.executor, encode)

@@ -13,8 +13,8 @@ graph and replayed (`cuda_graphs.py`) on a GPU.
 
 Attention reads a window of the cache rows (`attention_window`: 256 rows doubled until the rows in use fit), so a
 step costs about what the request uses, with a handful of distinct shapes. A state's capacity is the largest window
-it has needed: it starts small and grows (`FrameState.grown`) as a request gets longer, so memory follows the rows
-actually generated, never the `max_new_tokens` a caller asks for.
+it has needed: it starts small and, as a request gets longer, its sequences move into a bigger state
+(`FrameState.load_from`), so memory follows the rows actually generated, never the `max_new_tokens` a caller asks for.
 """
 
 from __future__ import annotations
@@ -287,12 +287,6 @@ class FrameState:
         self.hidden.copy_(hidden[:, 0])
         self.row.copy_(new_rows)
         self.slot.add_(1)
-
-    def grown(self, capacity: int) -> FrameState:
-        """A state with room for `capacity` rows holding this state's sequences (padding rows included)."""
-        bigger = FrameState(self.model, self.batch, capacity, self.ras_window, self.cache, self.scores is not None)
-        bigger.load_from(self, torch.arange(self.batch, device=self.slot.device))
-        return bigger
 
 
 __all__ = ["FrameState", "WindowedStaticLayer", "attention_window", "row_limit", "step_mask"]

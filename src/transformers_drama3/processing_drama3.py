@@ -32,6 +32,7 @@ from transformers.utils import logging
 
 from .audio_io import audio_file_header, check_sampling_rate, read_audio_file, write_audio
 from .chunking import split_text
+from .frame_rows import left_pad_rows
 from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from .voice import Drama3Voice
 
@@ -552,20 +553,6 @@ class Drama3Processor(ProcessorMixin):
         to [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
         """
         return write_audio(path, audio, self.sampling_rate if sampling_rate is None else sampling_rate)
-
-
-def left_pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of frame rows padded on either side with any pad values -> the processor's layout: each sequence's
-    rows at the end, all-zero pad rows in front (`input_ids [B, T, 1 + K]`, `attention_mask [B, T]`).
-
-    transformers' pipeline collator pads a batch on its tokenizer's side and fills pad rows with the tokenizer's pad
-    id in every column; Drama 3's generation reads left-padded batches with all-zero pad rows.
-    """
-    mask = attention_mask.bool()  # [B, T]
-    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices  # pad rows first, each group in order
-    rows = input_ids.gather(1, order[..., None].expand_as(input_ids))  # [B, T, 1 + K]
-    mask = mask.gather(1, order)
-    return rows * mask[..., None], mask.to(attention_mask.dtype)
 
 
 def _excerpt(text: str, start: int) -> str:

@@ -118,18 +118,30 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         band = torch.arange(self.config.semantic_start_token_id, self.config.semantic_end_token_id + 1, device=device)
         return torch.cat((torch.tensor([self.config.eos_token_id], device=device), band))
 
-    def main_logits(self, hidden: torch.Tensor, candidates: torch.Tensor | None = None) -> torch.Tensor:
+    def candidate_head_weight(self, candidates: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The V + 1 candidate rows of `lm_head`'s weight `[V + 1, D]` (a new tensor), or None for a quantised or
+        offloaded `lm_head`, which has no plain weight to index. `candidates`: `main_candidate_ids`, when at hand."""
+        weight = self.lm_head.weight
+        if type(self.lm_head) is not nn.Linear or weight.is_meta:
+            return None
+        candidates = self.main_candidate_ids(weight.device) if candidates is None else candidates
+        return weight.index_select(0, candidates.to(weight.device))
+
+    def main_logits(
+        self, hidden: torch.Tensor, candidates: torch.Tensor | None = None, head_weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Main-token logits `[..., V + 1]` (column 0 EOS, then the semantic band) of final-norm hidden states
-        `[..., D]`; `candidates` are `main_candidate_ids` when already at hand.
+        `[..., D]`; `candidates` (`main_candidate_ids`) and `head_weight` (`candidate_head_weight`) when already at
+        hand (the frame step keeps both).
 
         Only the V + 1 candidate rows of `lm_head` are multiplied (the text vocabulary's other rows are never used);
-        a quantised or offloaded `lm_head` (no plain weight to index) runs whole and its candidate columns are kept.
+        a quantised or offloaded `lm_head` runs whole and its candidate columns are kept.
         """
+        head_weight = self.candidate_head_weight(candidates) if head_weight is None else head_weight
+        if head_weight is not None:
+            return F.linear(hidden, head_weight)
         candidates = self.main_candidate_ids(hidden.device) if candidates is None else candidates
-        weight = self.lm_head.weight
-        if type(self.lm_head) is nn.Linear and not weight.is_meta:
-            return F.linear(hidden, weight.index_select(0, candidates.to(weight.device)))
-        return self.lm_head(hidden).index_select(-1, candidates)
+        return self.lm_head(hidden).index_select(-1, candidates.to(hidden.device))
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The backbone's token embedding (text ids and the main id of audio rows); peft and gradient checkpointing

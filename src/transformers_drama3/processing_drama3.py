@@ -32,7 +32,7 @@ from transformers.utils import logging
 
 from .audio_io import audio_file_header, check_sampling_rate, read_audio_file, write_audio
 from .chunking import split_text
-from .frame_rows import left_pad_rows
+from .frame_rows import left_pad_rows  # noqa: F401  (its home is frame_rows.py; imported from here before)
 from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from .voice import Drama3Voice
 

@@ -196,17 +196,32 @@ class Drama3Processor(ProcessorMixin):
                 f"codec=model.codec, or give precomputed 'codes' or a saved Drama3Voice instead of audio"
             )
 
-    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
-        """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
-        at = "" if index is None else f"[{index}]"
-        parts = [self._resolve_reference(ref, codec, f"references{at}[{n}]") for n, ref in enumerate(references)]
-        turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
+    def reference_prefix_rows(self, references: Any, codec: Any = None) -> torch.Tensor:
+        """The first rows `[P, 1 + num_codebooks]` of every prompt with these references first: the system start,
+        the instruction and each reference's transcript and codes (pieces 1, 2 and 2a of docs/format.md, "Prompt
+        layout"). Nothing request-specific comes before them, so their model caches can be computed once and reused
+        (`PromptCache`)."""
+        references = self._as_list(references)
+        for n, reference in enumerate(references):
+            self.check_reference(reference, f"references[{n}]")
+        parts = [self._resolve_reference(ref, codec, f"references[{n}]") for n, ref in enumerate(references)]
+        return self._reference_block_rows(parts, "")
+
+    def _reference_block_rows(self, parts: list[tuple[str, torch.Tensor]], at: str) -> torch.Tensor:
+        """Rows of prompt pieces 1, 2 and 2a for resolved references `(transcript, codes)`."""
         instruction = REFERENCE_INSTRUCTION if parts else INSTRUCTION
         rows = [self._literal_rows(SYSTEM_START), self._literal_rows(instruction)]
         for n, (transcript, codes) in enumerate(parts):
             segment = _reference_segment(n + 1, tag_transcript(transcript))
             rows += [self._caller_rows(segment, f"references{at}[{n}].transcript"), self._audio_rows(codes)]
-        rows.append(self._literal_rows(TURN_END))
+        return torch.cat(rows)
+
+    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
+        """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
+        at = "" if index is None else f"[{index}]"
+        parts = [self._resolve_reference(ref, codec, f"references{at}[{n}]") for n, ref in enumerate(references)]
+        turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
+        rows = [self._reference_block_rows(parts, at), self._literal_rows(TURN_END)]
         for n, (turn_text, codes) in enumerate(turns):
             rows += [self._literal_rows(USER_START), self._caller_rows(tag_text(turn_text), f"history{at}[{n}] text")]
             rows += [self._literal_rows(TURN_END), self._literal_rows(VOICE_START), self._audio_rows(codes)]

@@ -6,8 +6,7 @@ with the same request sent to `POST /v1/audio/speech` (the same server, seed and
 import base64
 import json
 import signal
-import subprocess
-import sys
+import socket
 import threading
 import time
 
@@ -16,16 +15,19 @@ import numpy as np
 import pytest
 import torch
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
+import uvicorn
 from websockets.sync.client import connect
 
 from transformers_drama3 import cli
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.app import create_app
+from transformers_drama3.serving.draining import DrainingServer
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
-from .test_serve import AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, free_port, pcm16, wav_samples
+from .test_serve import AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, pcm16, wav_samples
 
 FRAMES = 6  # frames per utterance: the tiny model makes 10-20 frames a second on a busy 2-core machine
 BYTES_PER_FRAME = 2048 * 2  # 16-bit samples of one codec frame
@@ -194,49 +196,43 @@ def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(serv
 # -- SIGTERM: a graceful drain -----------------------------------------------------------------------------------
 
 
-def test_sigterm_drains_running_requests_refuses_new_ones_then_stops(tmp_path):
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
-               "--max-frames", "400", "--log-level", "warning"]
-    with open(tmp_path / "server.log", "w") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
+    app = create_app(ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, max_frames=400))
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    url = "http://127.0.0.1:%d" % listening.getsockname()[1]
+    server = DrainingServer(uvicorn.Config(app, log_level="warning"), drain_seconds=TIMEOUT)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while app.state.service is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    long_body = {"model": MODEL, "input": "A long request that runs.", "response_format": "pcm", "seed": 3,
+                 "max_new_tokens": 40}
+    result, started = {}, threading.Event()
+
+    def long_request():
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=long_body, timeout=TIMEOUT) as response:
+            pieces = response.iter_bytes()
+            result["first"] = next(pieces)  # the first audio is out: the request runs
+            started.set()
+            result["audio"] = result["first"] + b"".join(pieces)
+
+    client = threading.Thread(target=long_request)
+    client.start()
     try:
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        long_body = {"model": "drama3-tiny", "input": "A long request that runs.", "response_format": "pcm",
-                     "seed": 1, "max_new_tokens": 150}
-        result = {}
-
-        def long_request():
-            with httpx.stream("POST", f"{url}/v1/audio/speech", json=long_body, timeout=TIMEOUT) as response:
-                result["status"] = response.status_code
-                pieces = response.iter_bytes()
-                result["first"] = next(pieces)  # the first audio is out: the request runs
-                started.set()
-                result["audio"] = result["first"] + b"".join(pieces)
-
-        started = threading.Event()
-        client = threading.Thread(target=long_request)
-        client.start()
         assert started.wait(TIMEOUT)
-        process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + TIMEOUT
-        while httpx.get(f"{url}/health", timeout=5).status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert httpx.get(f"{url}/health", timeout=5).json()["status"] == "draining"
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls on SIGTERM
+        health = httpx.get(f"{url}/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
         refused = httpx.post(f"{url}/v1/audio/speech", json={**long_body, "max_new_tokens": 2}, timeout=TIMEOUT)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
         client.join(TIMEOUT)
-        assert process.wait(timeout=TIMEOUT) == 0  # stopped by itself once drained
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()  # stopped by itself once drained
     finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert result["status"] == 200 and len(result["audio"]) % BYTES_PER_FRAME == 0
-    assert len(result["audio"]) > len(result["first"])  # it went on after SIGTERM, to its end
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        listening.close()
+    # It went on after SIGTERM, to its own end: all 40 frames (this seed makes no EOS before them).
+    assert len(result["audio"]) == 40 * BYTES_PER_FRAME > len(result["first"])

@@ -30,12 +30,11 @@ import httpx
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from configs import SMALL_CONFIG
+from configs import served_checkpoint
 from transformers_drama3 import Drama3Processor, Drama3Voice, FishOmniForSpeech
 from transformers_drama3.prompt_cache import PromptCache
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.thread import ServerThread
-from transformers_drama3.testing import default_tiny_checkpoint, write_tiny_checkpoint
 
 TEXT = "Hello there, how are you doing today?"
 
@@ -50,15 +49,6 @@ class FirstFrame(BaseStreamer):
 
     def end(self):
         pass
-
-
-def checkpoint(config: str) -> str:
-    if config == "tiny":
-        return default_tiny_checkpoint()
-    path = os.path.join(tempfile.gettempdir(), "transformers-drama3-serve-benchmark-small")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        write_tiny_checkpoint(path, **SMALL_CONFIG)
-    return path
 
 
 def first_frame_seconds(model, inputs, cache) -> float:
@@ -89,7 +79,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    path = checkpoint(args.config)
+    path = served_checkpoint(args.config)
     model = FishOmniForSpeech.from_pretrained(path, dtype=torch.float32).eval()
     processor = Drama3Processor.from_pretrained(path)
     frames = round(args.reference_seconds * model.config.sampling_rate / model.config.codec_config.frame_length)

@@ -42,8 +42,7 @@ from pathlib import Path
 import httpx
 import psutil
 
-from configs import SMALL_CONFIG
-from transformers_drama3.testing import default_tiny_checkpoint, write_tiny_checkpoint
+from configs import served_checkpoint
 
 BYTES_PER_FRAME = 2048 * 2
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Did you hear that?", "Good morning, everyone.",
@@ -71,15 +70,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", help="where to write the JSON results")
     return parser.parse_args()
-
-
-def checkpoint(config: str) -> str:
-    if config == "tiny":
-        return default_tiny_checkpoint()
-    path = os.path.join(tempfile.gettempdir(), "transformers-drama3-serve-benchmark-small")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        write_tiny_checkpoint(path, **SMALL_CONFIG)
-    return path
 
 
 def source_tree(source: str, scratch: Path) -> tuple[str, Path]:
@@ -295,7 +285,7 @@ def run_version(label: str, src: Path, args, model: str, frames_mix: list[int], 
 def main() -> int:
     args = parse_args()
     frames_mix = [int(f) for f in args.frames_mix.split(",")]
-    model = checkpoint(args.config)
+    model = served_checkpoint(args.config)
     started = datetime.now(timezone.utc)
     versions, rates = [], None
     with tempfile.TemporaryDirectory(prefix="drama3-serve-load-") as scratch:

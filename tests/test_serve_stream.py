@@ -27,7 +27,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
-from .test_serve import AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, pcm16, wav_samples
+from .test_serve import AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, wav_samples  # noqa: F401 (http: a fixture, on this module's server)
 
 FRAMES = 6  # frames per utterance: the tiny model makes 10-20 frames a second on a busy 2-core machine
 BYTES_PER_FRAME = 2048 * 2  # 16-bit samples of one codec frame
@@ -47,13 +47,6 @@ def server(voices_dir):
                               batch_window_ms=50, max_frames=50, max_text_chars=300)
     with ServerThread(settings).wait_until_ready(TIMEOUT) as running:
         yield running
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    limits = httpx.Limits(max_keepalive_connections=0)
-    with httpx.Client(base_url=server.url, headers=AUTH, timeout=TIMEOUT, limits=limits) as client:
-        yield client
 
 
 def ws_url(server) -> str:

@@ -23,6 +23,7 @@ from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.app import create_app
 from transformers_drama3.serving.draining import DrainingServer
+from transformers_drama3.serving.text_stream import SentenceBuffer, StreamError
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
@@ -229,3 +230,16 @@ def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
         listening.close()
     # It went on after SIGTERM, to its own end: all 40 frames (this seed makes no EOS before them).
     assert len(result["audio"]) == 40 * BYTES_PER_FRAME > len(result["first"])
+
+
+def test_text_becomes_utterances_at_complete_sentences_and_keeps_its_speaker():
+    buffer = SentenceBuffer(max_chars=60)
+    buffer.append("<|speaker:1|> It costs 3.")
+    assert buffer.take_complete() is None  # "3." may still become "3.5"
+    buffer.append("5 euros [sighs. loudly] today. Then")
+    assert buffer.take_complete() == "<|speaker:1|> It costs 3.5 euros [sighs. loudly] today."
+    buffer.append(" more.")
+    assert buffer.take_complete() is None and buffer.take_all() == "<|speaker:1|> Then more."  # the tag carries on
+    assert buffer.take_all() is None  # nothing left
+    with pytest.raises(StreamError, match="more than 60 characters"):
+        buffer.append("x" * 61)

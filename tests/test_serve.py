@@ -20,7 +20,7 @@ import pytest
 import soundfile
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import loading
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving import cli as serving_cli
@@ -69,7 +69,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def reference():
     """A second copy of the checkpoint, loaded as the server loads it, to compute the expected audio here."""
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
 
 
 def pcm16(audio: torch.Tensor) -> np.ndarray:

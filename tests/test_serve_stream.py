@@ -18,8 +18,6 @@ from websockets.exceptions import ConnectionClosedError, InvalidStatus
 import uvicorn
 from websockets.sync.client import connect
 
-from transformers_drama3 import cli
-from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.app import create_app
 from transformers_drama3.serving.draining import DrainingServer
@@ -28,7 +26,9 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
-from .test_serve import AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, wav_samples  # noqa: F401 (http: a fixture, on this module's server)
+from .test_serve import (  # noqa: F401 (http, reference: fixtures; http on this module's server)
+    AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, reference, wav_samples,
+)
 
 FRAMES = 6  # frames per utterance: the tiny model makes 10-20 frames a second on a busy 2-core machine
 BYTES_PER_FRAME = 2048 * 2  # 16-bit samples of one codec frame
@@ -164,9 +164,8 @@ def test_a_client_that_leaves_mid_utterance_frees_the_worker(server):
 # -- the prefix cache of saved voices ----------------------------------------------------------------------------
 
 
-def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(server, http, voices_dir):
-    model = cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32)
-    processor = Drama3Processor.from_pretrained(GOLDEN_TINY)
+def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(server, http, voices_dir, reference):
+    model, processor = reference
     voice = Drama3Voice.load(voices_dir / "narrator.safetensors")
     before = http.get("/metrics").json()["prompt_cache"]
     for text in ("Good evening.", "Good night to you all."):

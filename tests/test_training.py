@@ -12,6 +12,8 @@ wrong row, mask or weight.
 import copy
 import csv
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -417,3 +419,16 @@ def test_merged_model_matches_adapters_and_saves_in_the_original_layout(trained,
         assert torch.equal(reloaded.generate(prompt, do_sample=False, max_new_tokens=6, output_audio=False).sequences,
                            merged_frames)
         assert torch.equal(reloaded(**batch).main_logits, out.main_logits)
+
+
+def test_drama3_prepare_imports_neither_peft_nor_bitsandbytes():
+    """bitsandbytes prints a line about its CPU kernels when imported (peft imports it): `drama3-prepare` and the
+    dataset side of `transformers_drama3.training` never import them; the LoRA names still load on first use."""
+    script = (
+        "import sys\nfrom transformers_drama3.training import cli, prepare_dataset\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('loaded:', sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))\n"
+        "from transformers_drama3.training import LORA_PRESETS\nprint('peft' in sys.modules, len(LORA_PRESETS) > 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "loaded: []" in result.stdout and "True True" in result.stdout, result.stdout + result.stderr

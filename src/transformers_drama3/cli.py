@@ -31,13 +31,12 @@ import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
+from .loading import KERNEL_FALLBACK, load_model, load_parallel_model, resolve_device_and_dtype, under_torchrun
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # main-token sampling, meaningless with --greedy
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # what process managers and closing terminals send
-# transformers' note that a linear-attention kernel package is missing: those kernels exist for GPUs only.
-KERNEL_FALLBACK = re.compile(r"falling back to its reference PyTorch implementation because `([^`]+)` is not installed")
 
 
 class CommandError(Exception):
@@ -154,16 +153,6 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--chunk-bytes must be at least {MIN_CHUNK_BYTES}; got {args.chunk_bytes}")
 
 
-def under_torchrun() -> bool:
-    """Launched by torchrun with several processes (`parallel.launched_with_torchrun`). parallel.py imports torch, so
-    it is asked only when torchrun's `WORLD_SIZE` is set."""
-    if "WORLD_SIZE" not in os.environ:
-        return False
-    from . import parallel
-
-    return parallel.launched_with_torchrun()
-
-
 def generation_flags(args: argparse.Namespace) -> dict:
     """The sampling and decoding flags that were given, as `generate` keywords."""
     settings = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k,
@@ -196,47 +185,6 @@ def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Names
     return flags
 
 
-def check_device(device: str) -> None:
-    """Refuse a device torch does not know, or one this machine does not have, with a message saying what to use."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
-    if parsed.type == "cpu":
-        return
-    if parsed.type == "mps":
-        available, count = torch.backends.mps.is_available(), 1
-    elif parsed.type in ("cuda", "xpu"):
-        backend = getattr(torch, parsed.type)
-        available, count = backend.is_available(), backend.device_count()
-    else:
-        raise ValueError(f"--device {device!r}: Drama 3 does not run on {parsed.type!r} devices; use cpu, cuda or mps")
-    if not available:
-        build = " (this torch is built without CUDA)" if parsed.type == "cuda" and torch.version.cuda is None else ""
-        raise ValueError(f"--device {device}: no {parsed.type} device is available on this machine{build}; "
-                         "use --device cpu")
-    if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered from 0")
-
-
-def resolve_device_and_dtype(device: str, dtype: str):
-    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype), the device checked (`check_device`):
-    cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator, float32 on the
-    CPU."""
-    import torch
-
-    if device == "auto" and under_torchrun():
-        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    elif device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(device)
-    if dtype == "auto":
-        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
-    return device, getattr(torch, dtype)
-
-
 def _read_text(args: argparse.Namespace) -> str | None:
     try:
         if args.text_file is not None:
@@ -259,26 +207,6 @@ def check_writable(path: Path) -> None:
         raise FileNotFoundError(f"cannot write {str(path)!r}: the directory {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise PermissionError(f"cannot write {str(path)!r}: the directory {str(parent)!r} is not writable")
-
-
-def load_model(path: str, device: str, dtype):
-    """The model on `device` (loaded straight there on an accelerator, so a large checkpoint never sits in RAM)."""
-    import torch
-
-    from .modeling_drama3 import FishOmniForSpeech
-
-    if torch.device(device).type == "cpu":
-        return FishOmniForSpeech.from_pretrained(path, dtype=dtype).eval()
-    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
-
-
-def load_parallel_model(path: str, dtype, expert_parallel: bool):
-    """This rank's share of the model, split over the torchrun ranks (`transformers_drama3.parallel`)."""
-    from . import parallel
-    from .modeling_drama3 import FishOmniForSpeech
-
-    config = parallel.distributed_config(expert_parallel=expert_parallel)
-    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
 
 
 def is_main_process() -> bool:

@@ -30,8 +30,8 @@ from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..cli import load_model, resolve_device_and_dtype
 from ..generation_drama3 import generation_settings
+from ..loading import load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
 from .audio_encoding import (
     ResponseFormat,

@@ -14,14 +14,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from ..cli import INTERRUPTED
 from ..testing import default_tiny_checkpoint
 from .settings import ServerSettings
 
 API_KEY_VARIABLE = "DRAMA3_API_KEY"
+INTERRUPTED = 128 + signal.SIGINT  # the shell's status of a command ended by Ctrl+C (130, as drama3-tts)
 DEFAULTS = ServerSettings()
 
 

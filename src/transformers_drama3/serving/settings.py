@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import MIN_CHUNK_BYTES
+from ..chunking import MIN_CHUNK_BYTES
 
 
 @dataclass

@@ -8,32 +8,22 @@ checkpoint runs in a background thread (`ServerThread`); it speaks noise. Each u
 `utterance-N.pcm`. docs/serving.md ("Streaming text in over a WebSocket") describes the protocol.
 """
 
-import argparse
 import contextlib
 import json
 import time
 
 from websockets.sync.client import connect
 
-from transformers_drama3.serving import ServerSettings
-from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import server_parser, server_url
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running drama3-serve (default: start a tiny one here)")
-    parser.add_argument("--api-key", help="the server's --api-key, if it has one")
-    parser.add_argument("--model", default="drama3-tiny", help="the served model id (GET /v1/models)")
+    parser = server_parser(__doc__)
     parser.add_argument("--text", default="Hello there. I am reading this while it is written. Nice, isn't it?")
     args = parser.parse_args()
 
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            from transformers_drama3.serving.thread import ServerThread
-
-            settings = ServerSettings(model=default_tiny_checkpoint(), model_name=args.model)
-            url = stack.enter_context(ServerThread(settings)).url
+        url = server_url(stack, args)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
         with connect(url.replace("http", "ws", 1) + "/v1/audio/speech/stream", additional_headers=headers) as socket:
             socket.send(json.dumps({"type": "session.start", "model": args.model, "seed": 0, "max_new_tokens": 48}))

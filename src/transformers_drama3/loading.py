@@ -7,11 +7,14 @@ transformers only inside its functions, so that a command's `--help` and usage e
 
 from __future__ import annotations
 
+import logging
 import os
-import re
+from importlib.util import find_spec
 
-# transformers' note that a linear-attention kernel package is missing: those kernels exist for GPUs only.
-KERNEL_FALLBACK = re.compile(r"falling back to its reference PyTorch implementation because `([^`]+)` is not installed")
+# transformers' logger for kernel packages; it says, once per function, that a missing package makes a layer run
+# its reference PyTorch code. The linear-attention layers of the backbone use two such packages (GPU kernels only):
+KERNEL_LOGGER = "transformers.integrations.hub_kernels"
+LINEAR_ATTENTION_KERNELS = {"causal_conv1d": "causal-conv1d", "fla": "flash-linear-attention"}  # module -> pip name
 
 
 def under_torchrun() -> bool:
@@ -99,3 +102,14 @@ def load_parallel_model(path: str, dtype, expert_parallel: bool):
 
     config = parallel.distributed_config(expert_parallel=expert_parallel)
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
+
+
+def is_kernel_fallback(record: logging.LogRecord) -> bool:
+    """Whether `record` is transformers' note that a kernel package is missing (`KERNEL_LOGGER`): known by its
+    logger and a stable fragment, never by parsing the package name out of the text."""
+    return record.name == KERNEL_LOGGER and "reference PyTorch implementation" in record.getMessage()
+
+
+def missing_kernel_packages() -> list[str]:
+    """The pip names of the linear-attention kernel packages that are not installed (`LINEAR_ATTENTION_KERNELS`)."""
+    return [package for module, package in LINEAR_ATTENTION_KERNELS.items() if find_spec(module) is None]

@@ -29,6 +29,7 @@ from .device_placement import execution_device
 from .frame_rows import left_pad_rows, padded_on_the_right
 from .frame_step import FrameState, attention_window, row_limit
 from .parallel import check_fast_decode_allowed, shared_seed
+from .prompt_cache import PromptCache, prefill
 from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
@@ -149,7 +150,7 @@ def generation_settings(
         raise TypeError(
             f"generate() got unknown or unsupported arguments {unknown}; Drama 3 generation accepts "
             f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, "
-            "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress)"
+            "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress, prompt_cache)"
         )
     check_settings({**settings.to_dict(), **kwargs})
     settings.update(**kwargs)
@@ -499,6 +500,7 @@ class Drama3GenerationMixin(GenerationMixin):
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_audio: bool = True,
         show_progress: bool = False,
+        prompt_cache: PromptCache | None = None,
         **kwargs,
     ) -> Drama3GenerateOutput | torch.LongTensor:
         """Generate speech frames (and their audio) for a batch of left-padded prompts.
@@ -514,7 +516,9 @@ class Drama3GenerationMixin(GenerationMixin):
         `stopping_criteria` (a `StoppingCriteriaList`) is called after each frame with the rows including it and
         that frame's candidate logits, and a sequence it marks ends with finish reason `"stop"`. `streamer` gets
         `put(codes [B, NCB])` per frame (-1 rows for sequences without a frame) and `end()`. `fast_decode=True`
-        replays the frame step as a CUDA graph on a CUDA device (docs/usage.md). Returns a `Drama3GenerateOutput`
+        replays the frame step as a CUDA graph on a CUDA device (docs/usage.md). `prompt_cache` (a `PromptCache` of
+        the prompt's first rows, prompt_cache.py) starts the prefill from a copy of its caches instead of recomputing
+        those rows. Returns a `Drama3GenerateOutput`
         (or only `sequences` with `return_dict_in_generate=False`).
         """
         settings = generation_settings(self.generation_config, generation_config, **kwargs)
@@ -536,9 +540,8 @@ class Drama3GenerationMixin(GenerationMixin):
             check_fast_decode_allowed(self)
             check_cuda_graphs(self)
 
-        # The teacher-forced pass on the inputs checked above (`forward` would read them back again).
-        prefill = self._teacher_forced(input_ids, attention_mask, None, None, *self.new_caches(), logits_to_keep=1)
-        loop = FrameLoop(self, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
+        prefilled = prefill(self, input_ids, attention_mask, prompt_cache)
+        loop = FrameLoop(self, settings, prefilled, input_ids, attention_mask, generators, streamer, logits_processor,
                          stopping_criteria)
         try:
             with tqdm(total=loop.frames, unit="frame", disable=not show_progress, leave=False) as bar:
@@ -552,7 +555,7 @@ class Drama3GenerationMixin(GenerationMixin):
         codes = [sequences[i, rows : rows + n, 1:].T.contiguous() for i, n in enumerate(loop.lengths)]  # [NCB, n_i]
         if not settings.return_dict_in_generate:
             return sequences
-        audio = [self.codec.decode(c[None].to(execution_device(self.codec)))[0] for c in codes] if output_audio else None
+        audio = [self.codec.decode(c[None].to(execution_device(self.codec))).audio_values[0, 0] for c in codes] if output_audio else None
         return Drama3GenerateOutput(
             sequences=sequences, codes=codes, audio=audio, finish_reason=loop.finish_reason,
             scores=tuple(loop.scores) if settings.output_scores else None,

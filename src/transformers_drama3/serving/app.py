@@ -3,7 +3,10 @@
     POST /v1/audio/speech   speech (OpenAI request + Drama 3 fields); wav/pcm stream, sse events, flac/mp3/opus
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
-    GET  /health            200 when the model is loaded, 503 while it loads (never needs the API key)
+    GET, PUT, DELETE /v1/voices/{name}   one voice: its details, replace (or create) it, delete it
+    POST /v1/audio/speech/batch   several speech requests in one call, answered with base64 audio in JSON
+    WS   /v1/audio/speech/stream  text in as it is written, speech out sentence by sentence (text_stream.py)
+    GET  /health            200 when the model is loaded, 503 while it loads or drains (never needs the API key)
     GET  /metrics           request and batching counters
 
 The model loads in the background after the server starts, so `/health` answers during a long load. Every request
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import secrets
@@ -23,12 +27,12 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..cli import load_model, resolve_device_and_dtype
 from ..generation_drama3 import generation_settings
+from ..loading import load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
 from .audio_encoding import (
     ResponseFormat,
@@ -39,8 +43,9 @@ from .audio_encoding import (
 )
 from .errors import APIError, body_too_large, install_error_handlers
 from .reference_audio import decode_base64_audio, read_audio_bytes
-from .schemas import SpeechRequest
+from .schemas import BatchSpeechRequest, SpeechRequest
 from .settings import ServerSettings
+from .text_stream import SpeechStreamSession
 from .voices import VoiceLibrary
 from .worker import GenerationWorker, JobDone, SpeechJob
 
@@ -68,11 +73,12 @@ class SpeechService:
         device, dtype = resolve_device_and_dtype(settings.device, settings.dtype)
         logger.info("loading %s on %s (%s)", settings.model, device, str(dtype).removeprefix("torch."))
         model = load_model(settings.model, device, dtype)
-        processor = Drama3Processor.from_pretrained(settings.model)
+        processor = Drama3Processor.from_pretrained(settings.model, codec=model.codec)
         processor.max_reference_seconds = settings.max_reference_seconds
         step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
         worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
-                                  step_options=step_options, log_text=settings.log_text)
+                                  step_options=step_options, log_text=settings.log_text,
+                                  prompt_cache_bytes=int(settings.prompt_cache_mb * 2**20))
         return cls(model, processor, worker)
 
 
@@ -80,6 +86,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     """The server's FastAPI app. The model loads when the app starts; `on_load_failure(error)` is called if that
     fails (the command line stops the server then)."""
     voices = VoiceLibrary(settings.voices_dir)
+    if voices.directory is not None:
+        logger.info("voices: %d in %s (shared with every server that uses it)", voices.scan(), voices.directory)
 
     async def load_and_serve() -> None:
         try:
@@ -109,8 +117,12 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     install_error_handlers(app, settings.max_body_bytes)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
+    app.state.draining = False  # set by `start_draining` (SIGTERM): new requests get 503, running ones finish
 
     def ready() -> SpeechService:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down: send the request to another replica or retry later",
+                           code="draining", headers={"Retry-After": "5"})
         if app.state.service is None:
             if app.state.load_error:
                 raise APIError(503, f"the model failed to load: {app.state.load_error}", code="model_unavailable")
@@ -120,6 +132,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if app.state.draining:
+            return JSONResponse({"status": "draining", "model": settings.model_name}, 503)
         if app.state.service is not None:
             return JSONResponse({"status": "ok", "model": settings.model_name})
         status = "failed" if app.state.load_error else "loading"
@@ -132,15 +146,35 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
 
     @app.get("/v1/voices")
     async def list_voices() -> dict:
-        return {"object": "list", "data": [voices.describe(name) for name in voices.names()]}
+        return {"object": "list", "data": await asyncio.to_thread(voices.describe_all)}
+
+    @app.get("/v1/voices/{name}")
+    async def voice_details(name: str) -> dict:
+        return await asyncio.to_thread(voices.describe, name, 404)
+
+    @app.delete("/v1/voices/{name}")
+    async def delete_voice(name: str) -> dict:
+        await asyncio.to_thread(voices.delete, name)
+        logger.info("deleted voice %r", name)
+        return {"id": name, "object": "voice", "deleted": True}
 
     @app.post("/v1/voices", status_code=201)
     async def enrol_voice(request: Request) -> JSONResponse:
+        return await enrol(request, None)
+
+    @app.put("/v1/voices/{name}")
+    async def replace_voice(name: str, request: Request) -> JSONResponse:
+        return await enrol(request, name)
+
+    async def enrol(request: Request, replacing: str | None) -> JSONResponse:
+        """Encode an uploaded recording into a voice and save it: a new name (POST), or `replacing` (PUT: 200 when
+        a voice was replaced, 201 when it is new)."""
         service = ready()
         if voices.directory is None:
             raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
         form = await request.form()
-        name, transcript, upload = form.get("name"), form.get("transcript"), form.get("audio")
+        name = replacing if replacing is not None else form.get("name")
+        transcript, upload = form.get("transcript"), form.get("audio")
         for field, value in (("name", name), ("transcript", transcript)):
             if not isinstance(value, str):
                 raise APIError(400, f"missing form field {field!r}: send multipart fields name, transcript and audio "
@@ -148,21 +182,19 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if upload is None or isinstance(upload, str):
             raise APIError(400, "missing file field 'audio': upload the recording (WAV, FLAC, OGG or MP3)", "audio",
                            "missing_parameter")
-        path = voices.path(name, "name")
-        if path.exists():
-            raise APIError(409, f"a voice called {name!r} already exists; choose another name", "name", "voice_exists")
+        voices.check_new_name(name, replace=replacing is not None)
         checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
         data = await upload.read()
         samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
 
         def encode():
-            return service.processor.create_voice(transcript, samples, rate, codec=service.model.codec, name=name)
+            return service.processor.create_voice(transcript, samples, rate, name=name)
 
         # The generation thread encodes it, between two batches: the model is used by one thread at a time.
         voice = await asyncio.get_running_loop().run_in_executor(service.worker.executor, encode)
-        voices.save(name, voice)
-        logger.info("enrolled voice %r (%d frames)", name, voice.codes.shape[1])
-        return JSONResponse(voices.describe(name), status_code=201)
+        replaced = await asyncio.to_thread(voices.save, name, voice, replacing is not None)
+        logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
+        return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
 
     @app.get("/metrics")
     async def metrics() -> dict:
@@ -182,7 +214,84 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
                    "X-Sample-Rate": str(service.model.config.sampling_rate)}
         return await respond(job, body, spec, request, headers, service.model.config.sampling_rate)
 
+    @app.post("/v1/audio/speech/batch")
+    async def speech_batch(body: BatchSpeechRequest, request: Request) -> JSONResponse:
+        service = ready()
+        loop = asyncio.get_running_loop()
+        bodies = [batch_item(body, index) for index, item in enumerate(body.items)]
+        specs = [check_response_format(item.response_format, "audio") for item in bodies]
+        jobs = [await asyncio.to_thread(make_job, item, service, settings, voices, loop) for item in bodies]
+        try:
+            for job in jobs:
+                service.worker.submit(job)
+            results = await asyncio.gather(*(batch_result(job, item, spec, request, service.model.config.sampling_rate)
+                                             for job, item, spec in zip(jobs, bodies, specs)))
+        finally:
+            for job in jobs:
+                job.cancel()  # no effect on finished jobs; frees the rest if the client left or one was refused
+        data = [{"index": index, **result} for index, result in enumerate(results)]
+        return JSONResponse({"object": "list", "model": settings.model_name, "data": data})
+
+    def batch_item(body: BatchSpeechRequest, index: int) -> SpeechRequest:
+        item = body.items[index]
+        if item.stream_format != "audio":
+            raise APIError(400, "items of a batch cannot stream: leave stream_format out (audio comes back as base64 "
+                           "in the JSON response)", f"items[{index}].stream_format", "unsupported_value")
+        fields = item.model_dump(exclude_unset=True)
+        fields["model"], fields["response_format"] = item.model or body.model, item.response_format or body.response_format
+        return SpeechRequest.model_validate(fields)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        def open_service() -> SpeechService:
+            return ready()
+
+        async def new_job(body: SpeechRequest) -> SpeechJob:
+            return await asyncio.to_thread(make_job, body, open_service(), settings, voices, asyncio.get_running_loop())
+
+        def submit(job: SpeechJob) -> None:
+            open_service().worker.submit(job)
+
+        service = app.state.service
+        rate = service.model.config.sampling_rate if service is not None else 0
+        session = SpeechStreamSession(websocket, new_job, submit, lambda: app.state.draining, settings.max_text_chars,
+                                      rate)
+        await session.run()
+
     return app
+
+
+def start_draining(app: FastAPI) -> None:
+    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on."""
+    app.state.draining = True
+    logger.info("draining: new requests are refused, running requests finish")
+
+
+def drained(app: FastAPI) -> bool:
+    """Whether a draining server has no request left waiting or running."""
+    service = app.state.service
+    return service is None or service.worker.idle
+
+
+async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request,
+                       sampling_rate: int) -> dict:
+    """One item of a batch response: its audio file as base64, or its error (the other items go on)."""
+    events = []
+    while not events or not isinstance(events[-1], (JobDone, APIError)):
+        events.append(await next_event(job, request))
+    if isinstance(events[-1], APIError):
+        return {"id": job.request_id, "error": events[-1].body()["error"]}
+    audio = torch.cat([torch.zeros(0), *events[:-1]])  # [samples]
+    if body.response_format == "pcm":
+        data = pcm16(audio)
+    else:  # a complete file: a WAV with its real sizes, not the streamed header
+        file_spec = spec if spec.file_format else dataclasses.replace(spec, file_format="WAV", subtype="PCM_16")
+        data = await asyncio.to_thread(encode_audio_file, audio, sampling_rate, file_spec)
+    done = events[-1]
+    return {"id": job.request_id, "seed": job.seed, "response_format": body.response_format,
+            "media_type": spec.media_type, "audio": base64.b64encode(data).decode("ascii"),
+            "usage": {"input_tokens": done.prompt_rows, "output_tokens": done.frames,
+                      "total_tokens": done.prompt_rows + done.frames}}
 
 
 def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettings, voices: VoiceLibrary,
@@ -203,7 +312,7 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     sampling, max_new_tokens = sampling_settings(body, service, settings)
     texts = checked(lambda: service.processor.split_text(body.input, max_bytes=settings.chunk_bytes), "input")
     references = []
-    voice = voices.load(body.voice_name)
+    voice = voices.get(body.voice_name)
     if voice is not None:
         references.append(voice)
     for index, reference in enumerate(body.references):
@@ -355,6 +464,12 @@ class RequestGuard:
             if error is not None:
                 return await error.response()(scope, receive, send)
             receive = self.limited(receive)
+        elif scope["type"] == "websocket":  # the key only: a WebSocket has no request body
+            headers = dict(scope["headers"])
+            error = self.refusal(scope["path"], headers.get(b"authorization", b"").decode("latin-1"), "")
+            if error is not None:
+                await receive()  # websocket.connect
+                return await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         await self.app(scope, receive, send)
 
     def limited(self, receive):
@@ -386,4 +501,4 @@ class RequestGuard:
         return None
 
 
-__all__ = ["RequestGuard", "SpeechService", "create_app"]
+__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "start_draining"]

@@ -79,6 +79,12 @@ def check_response_format(name: str, stream_format: str, stream: bool | None) ->
     return spec
 
 
+def pcm16(chunk) -> bytes:
+    """Float audio `[samples]` -> 16-bit little-endian PCM bytes, by the same encoder as every response."""
+    encoder = AudioEncoder("pcm", 44100, streamed=True)  # headerless PCM records no rate: any gives the same bytes
+    return encoder.encode(chunk) + encoder.finish()
+
+
 def response_encoder(name: str, model_rate: int, streamed: bool, openai_model: bool) -> AudioEncoder:
     """The encoder of one response: `name` at the rate it is sent at (see the module's docstring)."""
     output_rate = OPENAI_PCM_RATE if openai_model and name == "pcm" else None

@@ -70,3 +70,21 @@ class SpeechRequest(BaseModel):
         if self.ref_audio is not None:
             found.append(("ref_audio", "ref_text", ReferenceAudio(audio=self.ref_audio, transcript=self.ref_text or "")))
         return found
+
+
+class BatchSpeechItem(SpeechRequest):
+    """One input of `POST /v1/audio/speech/batch`: the fields of a speech request; `model` and `response_format`
+    default to the batch's."""
+
+    model: str | None = None
+    response_format: str | None = None
+
+
+class BatchSpeechRequest(BaseModel):
+    """The body of `POST /v1/audio/speech/batch`: several speech requests answered in one JSON response."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    items: list[BatchSpeechItem] = Field(min_length=1, description="the inputs, each a speech request's fields")
+    response_format: str = Field("wav", description="the audio format of every item that does not set its own")

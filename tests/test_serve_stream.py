@@ -167,21 +167,21 @@ def test_a_client_that_leaves_mid_utterance_frees_the_worker(server):
 def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(server, http, voices_dir, reference):
     model, processor = reference
     voice = Drama3Voice.load(voices_dir / "narrator.safetensors")
-    before = http.get("/metrics").json()["prompt_cache"]
+    before = server.service.worker.snapshot()["prompt_cache"]
     for text in ("Good evening.", "Good night to you all."):
         response = http.post("/v1/audio/speech", json={"model": MODEL, "input": text, "voice": "narrator",
                                                         "temperature": 0, "max_new_tokens": FRAMES,
                                                         "response_format": "wav"})
         output = model.generate(**processor(text, references=[voice]), do_sample=False, max_new_tokens=FRAMES)
         assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
-    after = http.get("/metrics").json()["prompt_cache"]
+    after = server.service.worker.snapshot()["prompt_cache"]
     assert after["hits"] >= before["hits"] + 2 - (before["entries"] == 0)  # built at most once, then reused
     assert after["entries"] == 1 and 0 < after["bytes"] <= after["max_bytes"]
     # An edited voice file is another voice: its content, not its name, is the key.
     Drama3Voice(voice.codes.flip(1), voice.transcript).save(voices_dir / "narrator.safetensors")
     try:
         single(http, input="Good evening.", voice="narrator", temperature=0, max_new_tokens=2)
-        assert http.get("/metrics").json()["prompt_cache"]["entries"] == 2
+        assert server.service.worker.snapshot()["prompt_cache"]["entries"] == 2
     finally:
         voice.save(voices_dir / "narrator.safetensors")
 

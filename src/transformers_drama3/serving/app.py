@@ -220,7 +220,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         service = ready()
         loop = asyncio.get_running_loop()
         bodies = [batch_item(body, index) for index, item in enumerate(body.items)]
-        specs = [check_response_format(item.response_format, "audio") for item in bodies]
+        specs = [check_response_format(item.response_format, "audio", None) for item in bodies]  # sent complete
         jobs = [await asyncio.to_thread(make_job, item, service, settings, voices, loop) for item in bodies]
         try:
             for job in jobs:

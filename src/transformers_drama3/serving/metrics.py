@@ -9,6 +9,7 @@
     drama3_batches_total                        generate calls
     drama3_queue_length, drama3_running         waiting and generating requests now
     drama3_batch_occupancy                      running requests / --max-batch, now
+    drama3_prompt_cache_{entries,bytes}         saved voices' cached prompt prefixes now; _hits/_misses/_evictions_total
 
 The worker's counters are read when Prometheus scrapes (`WorkerCollector`), so the worker keeps one set of
 counters. Each server has its own registry: several servers in one process (tests) never share series.
@@ -46,6 +47,15 @@ class WorkerCollector:
         yield GaugeMetricFamily("drama3_running", "Requests generating now", value=snapshot["running"])
         yield GaugeMetricFamily("drama3_batch_occupancy", "Running requests / --max-batch",
                                 value=snapshot["running"] / self.max_batch)
+        cache = snapshot.get("prompt_cache") or {}
+        for name in ("entries", "bytes"):
+            if name in cache:
+                yield GaugeMetricFamily(f"drama3_prompt_cache_{name}", f"Saved voices' cached prefixes: {name}",
+                                        value=cache[name])
+        for name in ("hits", "misses", "evictions"):
+            if name in cache:
+                yield CounterMetricFamily(f"drama3_prompt_cache_{name}", f"Saved voices' prefix cache {name}",
+                                          value=cache[name])
 
 
 class ServerMetrics:

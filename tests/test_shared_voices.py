@@ -146,3 +146,15 @@ def test_a_damaged_voice_file_is_refused(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(ValueError, match="is damaged"):
         Drama3Voice.load(path)
+
+
+def test_a_server_without_a_voices_folder_knows_no_voice_by_name():
+    """Without `--voices` every name but `default` is unknown (a 400 naming it), never a crash on the missing folder."""
+    from transformers_drama3.serving.errors import APIError
+    from transformers_drama3.serving.voices import VoiceLibrary
+
+    library = VoiceLibrary(None)
+    assert not library.exists("me") and library.path_of("me") is None
+    with pytest.raises(APIError) as refused:
+        library.get("me")
+    assert refused.value.status == 400 and "me" in str(refused.value)

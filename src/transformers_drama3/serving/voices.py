@@ -96,7 +96,10 @@ class VoiceLibrary:
                            f"--voices DIR); use {DEFAULT_VOICE!r} or send references", param, "voice_not_found")
 
     def path_of(self, name: str) -> Path | None:
-        """The file of voice `name` (NAME.voice.safetensors, else NAME.safetensors), None if there is none."""
+        """The file of voice `name` (NAME.voice.safetensors, else NAME.safetensors), None if there is none (or no
+        voices folder)."""
+        if self.directory is None:
+            return None
         for suffix in (VOICE_FILE_SUFFIX, LEGACY_SUFFIX):
             path = self.directory / f"{name}{suffix}"
             if path.is_file():

@@ -72,10 +72,9 @@ def dequantised_weights_keep_checkpoint_dtype() -> bool:
 
 
 def cast_dequantised_weights(model: Any, load_config: Any) -> None:
-    """After a load that dequantised a pre-quantised checkpoint, give every floating-point weight the requested dtype
-    (`load_config.dtype`; nothing to do without one). Needed where `dequantised_weights_keep_checkpoint_dtype()`.
-
-    After dequantisation no weight is quantised any more, so all of them take that dtype. It must run before
+    """After a load of a pre-quantised checkpoint (FP8 experts dequantised or kept), give every floating-point
+    weight the requested dtype (`load_config.dtype`; nothing to do without one), except kept FP8 experts and their
+    scales. Needed where `dequantised_weights_keep_checkpoint_dtype()`. It must run before
     accelerate dispatches the model, so that it also reaches weights that accelerate then keeps in RAM; weights
     already offloaded to disk (meta) were written with the right dtype by transformers. A tensor-parallel shard (a
     `DTensor`) becomes a new parameter (`.data =` would relabel its dtype without converting its local tensor), marked
@@ -83,14 +82,13 @@ def cast_dequantised_weights(model: Any, load_config: Any) -> None:
     loaded.
     """
     quantizer, dtype = load_config.hf_quantizer, load_config.dtype
-    dequantised = quantizer is not None and quantizer.pre_quantized and getattr(
-        quantizer.quantization_config, "dequantize", False
-    )
-    if not dequantised or dtype is None:
+    if quantizer is None or not quantizer.pre_quantized or dtype is None:
         return
     for name, parameter in list(model.named_parameters()):
         if not parameter.is_floating_point() or parameter.is_meta or parameter.dtype == dtype:
             continue
+        if parameter.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+            continue  # FP8 experts kept as shipped (`quantized_experts.Fp8SelectedExperts`): bytes and float32 scales
         if isinstance(parameter, DTensor):
             converted = torch.nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
             converted._is_hf_initialized = True

@@ -33,6 +33,8 @@ from transformers.integrations.moe import ExpertsInterface, grouped_mm_experts_f
 FP8_BLOCK = 128
 # bitsandbytes' 4-bit kernels read and write these dtypes; a float64 model dequantises in float32 and casts.
 BNB_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch's grouped GEMM (transformers' `grouped_mm` forward) takes these; a float64 model always takes the selected path.
+GROUPED_MM_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # bitsandbytes' double quantisation quantises the 4-bit block scales again, in blocks of 256 (`quantize_4bit`).
 BNB_NESTED_BLOCK = 256
 PROJECTIONS = ("gate_up_proj", "down_proj")
@@ -44,16 +46,16 @@ def selected_experts_forward(self, hidden_states: torch.Tensor, top_k_index: tor
     `top_k_weights [tokens, top_k]`, dequantising only what is used (module docstring).
 
     Under expert parallelism transformers marks the pairs routed to another rank's experts with ids >=
-    `num_experts` (and zero weights): they are clamped to a local expert and their output is dropped.
+    `num_experts` (and zero weights): they are clamped to a local expert and their output is dropped (a no-op
+    otherwise, done always: transformers versions differ in how they flag expert parallelism).
     """
     tokens, top_k = top_k_index.shape
     expert_ids = top_k_index.reshape(-1)  # [S], S = tokens * top_k
-    pair_weights = top_k_weights.reshape(-1)  # [S]
-    if self._is_expert_parallel:
-        pair_weights = pair_weights.masked_fill(expert_ids >= self.num_experts, 0.0)
-        expert_ids = expert_ids.clamp(0, self.num_experts - 1)
+    pair_weights = top_k_weights.reshape(-1).masked_fill(expert_ids >= self.num_experts, 0.0)  # [S]
+    expert_ids = expert_ids.clamp(0, self.num_experts - 1)
     dtype = hidden_states.dtype
-    if expert_ids.numel() >= self.num_experts * self.pairs_per_expert_before_dequantising_all:
+    many_pairs = expert_ids.numel() >= self.num_experts * self.pairs_per_expert_before_dequantising_all
+    if many_pairs and dtype in GROUPED_MM_DTYPES:
         return grouped_mm_experts_forward(DequantizedLayer(self, dtype), hidden_states, expert_ids.view(tokens, top_k),
                                           pair_weights.view(tokens, top_k))
     pair_inputs = hidden_states.repeat_interleave(top_k, dim=0)  # [S, H]
@@ -158,9 +160,10 @@ class Bnb4bitSelectedExperts(QuantizedExperts):
     quantisation blocks (`check_4bit_expert_blocks`), so one expert's bytes and block scales are a slice."""
 
     source_cls = nn.Module  # read by transformers' bitsandbytes quantize op (it transposes `Conv1D` weights only)
+    BLOCKSIZE = 64  # bitsandbytes' default, what transformers' `Linear4bit` weights get too
 
     def __init__(self, config, quant_type: str = "fp4", compress_statistics: bool = True,
-                 quant_storage: torch.dtype = torch.uint8, blocksize: int = 64):
+                 quant_storage: torch.dtype = torch.uint8, blocksize: int = BLOCKSIZE):
         super().__init__(config)
         for name in PROJECTIONS:
             setattr(self, name, bnb.nn.Params4bit(
@@ -187,6 +190,14 @@ class Bnb4bitSelectedExperts(QuantizedExperts):
             quant_type=state.quant_type, dtype=dtype if dtype in BNB_DTYPES else torch.float32,
         )
         return bnb.functional.dequantize_4bit(packed.reshape(-1), selected).to(dtype)  # [count, out, in]
+
+
+def freeze_quantized_experts(model: nn.Module) -> None:
+    """Quantised experts are frozen (transformers' loader makes every floating-point parameter trainable, FP8 too):
+    fine-tuning the routed experts needs them dequantised at load (docs/finetuning.md)."""
+    for module in model.modules():
+        if isinstance(module, QuantizedExperts):
+            module.requires_grad_(False)
 
 
 def check_4bit_expert_blocks(config, blocksize: int, compress_statistics: bool) -> None:
@@ -229,6 +240,7 @@ __all__ = [
     "SelectedExpertsInterface",
     "check_4bit_expert_blocks",
     "dequantize_fp8_blocks",
+    "freeze_quantized_experts",
     "quantized_experts_bytes",
     "selected_experts_forward",
 ]

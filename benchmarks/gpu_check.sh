@@ -12,7 +12,9 @@
 #   4. the compiled step at real width and 8 layers: eager, graph, compiled, compiled+graph side by side, and the
 #      kernels per frame of the eager and the compiled step (compiling all 40 layers would take longer than a
 #      session's GPU time; the step's cost is about linear in the depth, see docs/performance.md);
-#   5. the routed experts kept in FP8 (needs transformers' FP8 kernels: reports what is missing if they are not there).
+#   5. the routed experts kept in FP8 (needs transformers' FP8 kernels: reports what is missing if they are not there);
+#   6. the routed experts in each format at real width and 8 layers, side by side: dequantised, FP8 kept on the
+#      selected-experts path, bitsandbytes 4-bit (benchmarks/expert_formats.py).
 # DEVICE=cpu CONFIG=tiny runs the same stages on a CPU with the tiny geometry (a dry run of this script).
 set -u
 cd "$(dirname "$0")/.."
@@ -44,5 +46,7 @@ stage frame-step-compiled 420 python benchmarks/frame_step.py --config "$CONFIG"
     --modes "$([ "$DEVICE" = cuda ] && echo eager,graph,compiled,compiled+graph || echo eager,compiled)" \
     --batches 1 --warmup 3 --frames 16 --ttfa-runs 1 --check-frames 8 --count-kernels --compile-layers 4,8 \
     --output "$OUT/frame-step-compiled.json"
-stage fp8-experts 180 python benchmarks/fp8_experts.py --config "$CONFIG" --device "$DEVICE" --output "$OUT/fp8-experts.json"
+stage fp8-experts 90 python benchmarks/fp8_experts.py --config "$CONFIG" --device "$DEVICE" --output "$OUT/fp8-experts.json"
+stage expert-formats 90 python benchmarks/expert_formats.py --config "$CONFIG" --device "$DEVICE" --layers 8 \
+    --batches 1,16 --warmup 2 --frames 12 --output "$OUT/expert-formats.json"
 echo "=== done ($(date -u +%H:%M:%S)); outputs in $OUT"

@@ -24,7 +24,7 @@ from transformers_drama3.quantized_experts import Bnb4bitSelectedExperts, Fp8Sel
 from transformers_drama3.testing import quantize_fp8_blockwise
 
 from .conftest import GOLDEN_TINY
-from .tolerances import codebook_logit_reductions, main_logit_reductions, reordering_tolerance
+from .tolerances import codebook_logit_reductions, codec_decode_reductions, main_logit_reductions, reordering_tolerance
 
 # The golden tiny checkpoint's expert geometry.
 HIDDEN, INTERMEDIATE, EXPERTS, TOP_K = 256, 128, 4, 2
@@ -79,13 +79,11 @@ def _routing(tokens: int, seed: int):
 
 
 @pytest.mark.parametrize("kind", FORMATS)
-@pytest.mark.parametrize("tokens", [1, 16])
-@pytest.mark.parametrize("path", ["selected", "whole-layer"])
+@pytest.mark.parametrize(("tokens", "path"), [(1, "selected"), (16, "selected"), (16, "whole-layer")])
 def test_quantised_experts_equal_transformers_experts_on_the_same_weights(kind, tokens, path, monkeypatch):
     """Batch 1 and 16 (one token each: a frame step), on the selected path and on the whole-layer path a prefill
-    takes; at the tiny size 16 tokens make 32 pairs > 4 experts, so the selected path is forced for it."""
-    if path == "whole-layer" and tokens == 1:
-        pytest.skip("2 pairs < 4 experts: one token always takes the selected path")
+    takes (one token, 2 pairs < 4 experts, always takes the selected one); at the tiny size 16 tokens make 32 pairs
+    > 4 experts, so the selected path is forced for them by raising the threshold."""
     monkeypatch.setattr(QuantizedExperts, "pairs_per_expert_before_dequantising_all", 1 if path == "whole-layer" else 64)
     experts = _quantised_experts(kind)
     reference = _plain_copy(experts)
@@ -195,3 +193,19 @@ def test_candidate_rows_head_cannot_be_saved_or_made_from_a_quantised_head(candi
         FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, candidate_head_rows_only=True,
                                           quantization_config=BitsAndBytesConfig(load_in_8bit=True,
                                                                                  llm_int8_skip_modules=["tower"]))
+
+
+def test_a_bf16_codec_decodes_the_frames_within_bf16_rounding(candidate_rows_model, prompt):
+    """`model.codec.to(torch.bfloat16)` (docs/hardware.md): the same frames, the audio within bf16 rounding along the
+    codec's reductions (`reordering_tolerance` with bf16's unit roundoff)."""
+    out = candidate_rows_model.generate(prompt, do_sample=False, max_new_tokens=4)
+    codec = candidate_rows_model.codec
+    try:
+        codec.to(torch.bfloat16)
+        bf16 = candidate_rows_model.generate(prompt, do_sample=False, max_new_tokens=4)
+    finally:
+        codec.float()
+    assert torch.equal(bf16.sequences, out.sequences)
+    reference = out.audio[0]
+    torch.testing.assert_close(bf16.audio[0].float(), reference,
+                               **reordering_tolerance(reference.bfloat16(), codec_decode_reductions(codec)))

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3 import FishOmniForSpeech, compat
 from transformers_drama3.modeling_codec import (
     FishDACLoadError,
     load_codec_state_dict,
@@ -97,6 +97,8 @@ def test_an_offloaded_model_saves_what_it_computes_with(prompt, tmp_path):
 def test_fp8_experts_kept_as_shipped_are_saved_as_shipped(tmp_path, prompt):
     """A model whose experts stayed FP8 writes them back in the checkpoint's own layout (one FP8 tensor and its
     block scales per expert, `bsgemm-moe` in config.json), and loads back to the same bytes."""
+    if not compat.kept_fp8_scales_save_with_their_shape():
+        pytest.skip("this transformers refuses the save (tests/test_compat.py checks the refusal)")
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.bfloat16)
     model.save_pretrained(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "bsgemm-moe"

@@ -14,6 +14,8 @@ Shims (transformers 5.17 -> newer, measured on 5.24):
   weights in the checkpoint's dtype -> they get the requested dtype.
 - `forget_loading_conversions`: a dequantised model keeps its loading conversions, which `save_pretrained` cannot
   reverse -> transformers drops them itself.
+- `kept_fp8_scales_save_with_their_shape`: saving FP8 experts kept as shipped loses a one-row scale's shape ->
+  exact (5.17 refuses that save).
 - `enable_activation_checkpointing`, `disable_activation_checkpointing`, `checkpointing_training_arguments`:
   `gradient_checkpointing*` only -> `activation_checkpointing*` (the old names warn).
 - `expert_parallel_by_size`, `expert_parallel_arguments`: `DistributedConfig(enable_expert_parallel=True)` ->
@@ -96,6 +98,15 @@ def cast_dequantised_weights(model: Any, load_config: Any) -> None:
             setattr(model.get_submodule(module_name), parameter_name, converted)
         else:
             parameter.data = parameter.data.to(dtype)
+
+
+@functools.cache
+def kept_fp8_scales_save_with_their_shape() -> bool:
+    """Whether `save_pretrained` of FP8 experts kept as shipped writes each expert's `weight_scale_inv` back with its
+    checkpoint shape `[rows / 128, cols / 128]`. transformers 5.17's reversed merge wrote `[cols / 128]` for a
+    one-block-row scale (the tiny checkpoints' `gate_proj`), which no longer loads; the loader rewrite that brought
+    `HfQuantizer.get_new_dtype` (5.24 here) reverses it exactly (tested bit for bit)."""
+    return not dequantised_weights_keep_checkpoint_dtype()
 
 
 def forget_loading_conversions(model: Any) -> None:
@@ -187,5 +198,6 @@ __all__ = [
     "expert_parallel_arguments",
     "expert_parallel_by_size",
     "forget_loading_conversions",
+    "kept_fp8_scales_save_with_their_shape",
     "sub_configs_declaration",
 ]

@@ -31,6 +31,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -110,6 +111,12 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         # transformers saves a quantised model's own state dict instead of the one `save_pretrained` passes: keep the
         # codec out of it (it goes to codec.pth). The FP8 experts and their scales are written back one tensor per
         # expert by the reversed conversions, the checkpoint's own layout.
+        if self.selected_experts and not compat.kept_fp8_scales_save_with_their_shape():
+            raise NotImplementedError(
+                "saving FP8 experts kept as shipped needs a newer transformers (this one writes their block scales "
+                "with the wrong shape): load with `quantization_config=BsgemmMoeConfig(dequantize=True)` to save a "
+                "dequantised copy, or keep using the original checkpoint"
+            )
         return without_codec(model.state_dict()), {}
 
     def remove_quantization_config(self, model):
@@ -218,6 +225,9 @@ class _QuantisesRoutedExperts:
         freeze_quantized_experts(model)
         return super()._process_model_after_weight_loading(model, **kwargs)
 
+    def get_quantize_ops(self):
+        return Bnb4bitExpertsQuantize(self, super().get_quantize_ops())
+
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         module_name, _, tensor_name = param_name.rpartition(".")
         if isinstance(model.get_submodule(module_name), Bnb4bitSelectedExperts):
@@ -233,6 +243,25 @@ class _QuantisesRoutedExperts:
         # The experts' 4-bit block statistics and FP8 scales have no bitsandbytes serialisation: transformers then
         # refuses save_pretrained with its own error (the original checkpoint is the one to keep).
         return False
+
+
+class Bnb4bitExpertsQuantize(ConversionOps):
+    """The loader's quantize op for a 4-bit load: routed experts through `Bnb4bitSelectedExperts.quantized_parameter`
+    (bitsandbytes' 4-bit, one expert at a time), every other weight through bitsandbytes' own op (`linears`)."""
+
+    def __init__(self, hf_quantizer, linears: ConversionOps):
+        self.hf_quantizer = hf_quantizer
+        self.linears = linears
+
+    def convert(self, input_dict, *args, model=None, **kwargs):
+        name = next(iter(input_dict))
+        module_name, _, tensor_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, Bnb4bitSelectedExperts):
+            return self.linears.convert(input_dict, *args, model=model, **kwargs)
+        value = input_dict[name]
+        module._is_hf_initialized = True
+        return {name: module.quantized_parameter(tensor_name, value[0] if isinstance(value, list) else value)}
 
 
 class Bnb8BitWithFp8Experts(_QuantisesRoutedExperts, Bnb8BitHfQuantizer):

@@ -170,6 +170,16 @@ class Bnb4bitSelectedExperts(QuantizedExperts):
                 torch.empty(self.shape(name)), requires_grad=False, blocksize=blocksize,
                 compress_statistics=compress_statistics, quant_type=quant_type, quant_storage=quant_storage))
 
+    def quantized_parameter(self, name: str, weight: torch.Tensor) -> bnb.nn.Params4bit:
+        """`weight [E, out, in]` (full precision, as the loader made it) quantised with this module's settings for
+        `name` (`quantize_experts_4bit`)."""
+        settings = getattr(self, name)
+        packed, state = quantize_experts_4bit(weight, settings.quant_type, settings.compress_statistics,
+                                              settings.quant_storage, settings.blocksize)
+        return bnb.nn.Params4bit(packed, requires_grad=False, quant_state=state, blocksize=settings.blocksize,
+                                 compress_statistics=settings.compress_statistics, quant_type=settings.quant_type,
+                                 quant_storage=settings.quant_storage, bnb_quantized=True)
+
     def dequantized(self, name, expert_ids, dtype):
         parameter = getattr(self, name)
         state = parameter.quant_state
@@ -198,6 +208,25 @@ def freeze_quantized_experts(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, QuantizedExperts):
             module.requires_grad_(False)
+
+
+def quantize_experts_4bit(weight: torch.Tensor, quant_type: str, compress_statistics: bool,
+                          quant_storage: torch.dtype, blocksize: int) -> tuple[torch.Tensor, "bnb.functional.QuantState"]:
+    """bitsandbytes' `quantize_4bit` of the fused `weight [E, out, in]`, one expert at a time: the same packed bytes
+    and block statistics (no block crosses an expert), with one expert's temporaries instead of the layer's
+    (bitsandbytes' CPU quantisation of a whole 537M-weight layer peaked at several times its size). Double
+    quantisation is then applied to all the block scales at once, as `quantize_4bit` does it."""
+    pieces = [bnb.functional.quantize_4bit(expert, blocksize=blocksize, compress_statistics=False, quant_type=quant_type,
+                                           quant_storage=quant_storage) for expert in weight]
+    packed = torch.cat([data for data, _ in pieces])  # [E * out * in / 2, 1]
+    absmax = torch.cat([state.absmax for _, state in pieces])  # [E * out * in / blocksize]
+    settings = {"shape": weight.shape, "dtype": weight.dtype, "blocksize": blocksize, "code": pieces[0][1].code,
+                "quant_type": quant_type}
+    if not compress_statistics:
+        return packed, bnb.functional.QuantState(absmax=absmax, **settings)
+    offset = absmax.mean()
+    nested, nested_state = bnb.functional.quantize_blockwise(absmax - offset, blocksize=BNB_NESTED_BLOCK)
+    return packed, bnb.functional.QuantState(absmax=nested, offset=offset, state2=nested_state, **settings)
 
 
 def check_4bit_expert_blocks(config, blocksize: int, compress_statistics: bool) -> None:
@@ -241,6 +270,7 @@ __all__ = [
     "check_4bit_expert_blocks",
     "dequantize_fp8_blocks",
     "freeze_quantized_experts",
+    "quantize_experts_4bit",
     "quantized_experts_bytes",
     "selected_experts_forward",
 ]

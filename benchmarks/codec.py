@@ -79,7 +79,7 @@ def main() -> None:
     codes = torch.stack(
         [torch.randint(0, size, (1, frames), generator=generator) for size in config.codebook_sizes], dim=1
     ).to(device)
-    audio = (0.3 * torch.randn(1, frames * config.frame_length, generator=generator)).to(device)
+    audio = (0.3 * torch.randn(1, 1, frames * config.frame_length, generator=generator)).to(device)  # [batch, channels, samples]
 
     def stream_decode() -> None:
         stream = codec.stream()

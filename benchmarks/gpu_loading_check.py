@@ -44,7 +44,7 @@ def outputs(model, prompt, device):
     with torch.no_grad():
         forward = model(prompt)
     codec_device = next(model.codec.parameters()).device  # the codec is never offloaded
-    audio = model.codec.decode(prompt[0, 4:, 1:].T[None].to(codec_device))
+    audio = model.codec.decode(prompt[0, 4:, 1:].T[None].to(codec_device)).audio_values
     generated = model.generate(prompt, do_sample=False, max_new_tokens=FRAMES)
     return forward.main_logits.cpu(), forward.codebook_logits.cpu(), audio.cpu(), generated
 

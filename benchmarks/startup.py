@@ -1,5 +1,5 @@
-"""Start-up time: `import transformers_drama3`, `drama3-tts --help` and a usage error, against a bare
-`import transformers`, each in a fresh interpreter.
+"""Start-up time: `import transformers_drama3`, `drama3-tts --help`, a usage error and `drama3-prepare --help`,
+against a bare `import transformers`, each in a fresh interpreter.
 
 The commands run interleaved, `--repeats` rounds, and the median wall time of each is reported with its ratio to
 `import transformers` measured in the same rounds (so a busy machine slows all of them alike). `--before SRC` adds
@@ -8,6 +8,7 @@ interpreter and that tree first on `PYTHONPATH`.
 
     python benchmarks/startup.py --repeats 7
     git archive 0984822 src | tar -x -C /tmp/before && python benchmarks/startup.py --before /tmp/before/src
+    python benchmarks/startup.py --only "drama3-prepare --help" --before /tmp/before/src
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ COMMANDS = {
     "drama3-tts usage error": ["-c", "import sys; sys.argv = ['drama3-tts', '--tiny', 'Hi']; "
                                      "from transformers_drama3.cli import main; main()"],
     "import + AutoModel (registered)": ["-c", "import transformers_drama3; from transformers import AutoModel"],
+    "drama3-prepare --help": ["-c", "import sys; sys.argv = ['drama3-prepare', '--help']; "
+                                    "from transformers_drama3.training.cli import main; main()"],
 }
 
 
@@ -44,11 +47,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds (default 5); medians are reported")
     parser.add_argument("--before", help="another source tree (its src/ directory) to measure the same way")
+    parser.add_argument("--only", nargs="+", metavar="COMMAND", default=[],
+                        help="measure only these commands (and `import transformers`, the baseline)")
     args = parser.parse_args()
 
-    runs = [(name, arguments, None) for name, arguments in COMMANDS.items()]
+    commands = {name: arguments for name, arguments in COMMANDS.items()
+                if not args.only or name in args.only or name == "import transformers"}
+    runs = [(name, arguments, None) for name, arguments in commands.items()]
     if args.before:
-        runs += [(f"{name} [before]", arguments, args.before) for name, arguments in COMMANDS.items()
+        runs += [(f"{name} [before]", arguments, args.before) for name, arguments in commands.items()
                  if name != "import transformers"]
     times: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     for _ in range(args.repeats):

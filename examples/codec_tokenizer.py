@@ -35,21 +35,22 @@ def main() -> None:
     config = FishOmniConfig.from_pretrained(args.checkpoint).codec_config
     codec = FishDACCodec.from_codec_file(args.checkpoint / "codec.pth", config)
 
-    # 2. Audio -> codes [batch, 10, frames] -> audio [batch, frames * 2048], float32 at 44.1 kHz.
+    # 2. Audio [samples] (or [channels, samples]) -> codes [1, 10, frames] -> audio [1, 1, frames * 2048], float32
+    #    at 44.1 kHz. encode and decode return output classes, as transformers' DAC does.
     if args.audio:
         audio, rate = read_audio_file(args.audio, "--audio")
     else:
         rate = 44100
         audio = (0.3 * np.sin(2 * np.pi * 220 * np.arange(2 * rate) / rate)).astype(np.float32)
-    codes = codec.encode(torch.as_tensor(audio), sampling_rate=rate)
-    decoded = codec.decode(codes)
+    codes = codec.encode(torch.as_tensor(audio), sampling_rate=rate).audio_codes
+    decoded = codec.decode(codes).audio_values
     print(f"{len(audio) / rate:.2f} s of audio -> codes {tuple(codes.shape)} -> audio {tuple(decoded.shape)}")
-    write_audio(args.out / "decoded.wav", decoded[0].numpy(), config.sample_rate)
+    write_audio(args.out / "decoded.wav", decoded[0].numpy(), config.sample_rate)  # [channels, samples]
 
     # 3. Save it as a transformers model (config.json + model.safetensors) and load it back with AutoModel.
     codec.save_pretrained(args.out / "fish-dac")
     reloaded = AutoModel.from_pretrained(args.out / "fish-dac")
-    assert torch.equal(reloaded.decode(codes), decoded)
+    assert torch.equal(reloaded.decode(codes).audio_values, decoded)
     print(f"saved to {args.out / 'fish-dac'}; AutoModel gives a {type(reloaded).__name__} that decodes identically")
 
 

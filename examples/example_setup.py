@@ -24,9 +24,10 @@ def checkpoint_path(model: str | None) -> str:
 
 
 def load_model_and_processor(model: str | None):
-    """The model (bf16 on a GPU, float32 on CPU) and its processor, for `--model` or the tiny checkpoint."""
+    """The model (bf16 on a GPU, float32 on CPU) and its processor holding the model's codec (which encodes reference
+    audio and decodes frames), for `--model` or the tiny checkpoint."""
     path = checkpoint_path(model)
     gpu = torch.cuda.is_available()
     loaded = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
                                        device_map="cuda" if gpu else None)
-    return loaded, AutoProcessor.from_pretrained(path)
+    return loaded, AutoProcessor.from_pretrained(path, codec=loaded.codec)

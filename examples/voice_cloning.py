@@ -34,7 +34,7 @@ def main() -> None:
 
     # 1. Encode the reference once and keep it as a voice file.
     audio, rate = (args.audio, None) if args.audio else (tone(), 44100)
-    voice = processor.create_voice(args.transcript, audio, sampling_rate=rate, codec=model.codec)
+    voice = processor.create_voice(args.transcript, audio, sampling_rate=rate)  # by the processor's codec
     voice.save(args.voice_file)
     print(f"{args.voice_file}: {voice.codes.shape[1]} frames of reference")
 

@@ -42,12 +42,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
 
     checkpoint = Path(checkpoint_directory(checkpoint_path(args.model)))  # a Hub id is downloaded (or cached) once
-    processor = Drama3Processor.from_pretrained(checkpoint)
-    codec = load_codec(checkpoint)
+    processor = Drama3Processor.from_pretrained(checkpoint, codec=load_codec(checkpoint))
 
     # 1. Encode the reference once and save it.
     audio, rate = (args.audio, None) if args.audio else (tone(), 44100)
-    voice = processor.create_voice(args.transcript, audio, sampling_rate=rate, codec=codec, name="demo")
+    voice = processor.create_voice(args.transcript, audio, sampling_rate=rate, name="demo")
     path = voice.save(args.out / "demo.voice.safetensors")
     print(f"voice: {voice.codes.shape[1]} frames -> {path} ({path.stat().st_size} bytes)")
 
@@ -58,7 +57,7 @@ def main() -> None:
 
     # 3. Listen to what the codes hold: decode them and write a WAV file.
     frames = processor.build_prompt_rows("x", references=[voice])  # the reference's audio rows are in here
-    wav = processor.save_audio(processor.frames_to_audio(frames, codec=codec), args.out / "voice-decoded.wav")
+    wav = processor.save_audio(processor.frames_to_audio(frames), args.out / "voice-decoded.wav")
     print(f"decoded reference: {wav}")
 
 

@@ -12,6 +12,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import json  # noqa: E402
 import platform  # noqa: E402
+import signal  # noqa: E402
 import warnings  # noqa: E402
 from importlib import metadata  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -46,6 +47,13 @@ def golden_processor():
     from transformers_drama3 import Drama3Processor
 
     return Drama3Processor.from_pretrained(GOLDEN_TINY)
+
+
+def default_sigint() -> None:
+    """`preexec_fn` of a child that a test stops with SIGINT: a shell starts background jobs (`pytest ... &`) with
+    SIGINT ignored and children inherit that, so the child gets Ctrl-C's default handler back (Python then turns it
+    into KeyboardInterrupt as usual)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -2,6 +2,7 @@
 checks and errors (in process)."""
 
 import io
+import logging
 import os
 import re
 import signal
@@ -14,10 +15,10 @@ import pytest
 import soundfile
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import cli, loading
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, default_sigint
 
 MODEL = ["--model", str(GOLDEN_TINY)]
 FAST = ["--max-new-tokens", "2", "--quiet"]
@@ -76,6 +77,24 @@ def test_synthesis_on_the_embedded_checkpoint_writes_a_wav(tmp_path):
     assert "[transformers]" not in result.stderr and "falling back" not in result.stderr
 
 
+def test_kernel_fallback_notes_are_known_by_their_logger_and_a_stable_fragment(monkeypatch):
+    """transformers' note that a linear-attention kernel package is missing is recognised without parsing its text
+    for the package (the CLI says one note on a GPU, none on a CPU); the packages come from what is installed."""
+    from transformers.integrations import hub_kernels
+
+    def record(logger: str, text: str) -> logging.LogRecord:
+        return logging.LogRecord(logger, logging.WARNING, __file__, 0, text, None, None)
+
+    note = ("`causal_conv1d_fn` is falling back to its reference PyTorch implementation because `causal_conv1d` is "
+            "not installed. This is correct but much slower; install `causal_conv1d` for the optimized kernel.")
+    assert hub_kernels.logger.name == loading.KERNEL_LOGGER  # where transformers says it
+    assert loading.is_kernel_fallback(record(loading.KERNEL_LOGGER, note))
+    assert not loading.is_kernel_fallback(record("transformers.modeling_utils", note))
+    assert not loading.is_kernel_fallback(record(loading.KERNEL_LOGGER, "another note about kernels"))
+    monkeypatch.setattr(loading, "find_spec", lambda module: None if module == "fla" else object())
+    assert loading.missing_kernel_packages() == ["flash-linear-attention"]
+
+
 def test_help_and_usage_errors_import_neither_torch_nor_transformers():
     """`--help` and command-line errors answer before any heavy import (docs/performance.md, start-up)."""
     script = (
@@ -109,7 +128,7 @@ def test_sigterm_while_streaming_leaves_no_file(tmp_path):
 
 def test_ctrl_c_while_loading_is_one_line(tmp_path):
     process = subprocess.Popen([*CLI, *MODEL, "Hello there.", "-o", str(tmp_path / "x.wav")],
-                               stderr=subprocess.PIPE, text=True, env=ENV)
+                               stderr=subprocess.PIPE, text=True, env=ENV, preexec_fn=default_sigint)
     first_line = process.stderr.readline()  # "loading ...": the command line is checked, the model is loading
     assert first_line.startswith("loading"), first_line
     process.send_signal(signal.SIGINT)

@@ -16,18 +16,10 @@ from transformers import AutoConfig, AutoModel
 
 import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers_drama3.configuration_drama3 import FishDACConfig
-from transformers_drama3.modeling_codec import (
-    CausalConv1d,
-    FishDACCodec,
-    FishDACLoadError,
-    VectorQuantizer,
-    WindowedAttention,
-    apply_rope,
-    load_codec_state_dict,
-    load_codec_weights,
-    original_codec_key_shapes,
-    rope_table,
-)
+from transformers_drama3.codec_blocks import FishDACCausalConv1d, FishDACWindowedAttention, apply_rope, rope_table
+from transformers_drama3.codec_file import original_codec_key_shapes
+from transformers_drama3.codec_layout import FishDACLoadError, load_codec_state_dict, load_codec_weights
+from transformers_drama3.modeling_codec import FishDACCodec, FishDACVectorQuantizer
 from transformers_drama3.audio_io import resample_audio
 from transformers_drama3.testing import random_original_codec_state_dict
 
@@ -79,37 +71,40 @@ def random_codes(config, frames, batch=1, seed=0):
 
 
 def test_golden_decode(codec, expected):
-    audio = codec.decode(expected["codec_codes"][None])
+    audio = codec.decode(expected["codec_codes"][None]).audio_values[:, 0]
     assert audio.shape == (1, 12 * 2048) and audio.dtype == torch.float32
     torch.testing.assert_close(audio[0], expected["codec_audio"], atol=1e-4, rtol=0)
 
 
 def test_golden_encode_is_exact(codec, expected):
-    codes = codec.encode(expected["codec_input_audio"], sampling_rate=44100)
+    codes = codec.encode(expected["codec_input_audio"], sampling_rate=44100).audio_codes
     assert codes.shape == (1, 10, 22) and codes.dtype == torch.long
     assert torch.equal(codes[0], expected["codec_encoded"])
 
 
 def test_golden_roundtrip(codec, expected):
-    audio = codec.decode(codec.encode(expected["codec_input_audio"], 44100))
-    torch.testing.assert_close(audio[0], expected["codec_roundtrip_audio"], atol=1e-4, rtol=0)
+    audio = codec.decode(codec.encode(expected["codec_input_audio"], 44100).audio_codes).audio_values
+    torch.testing.assert_close(audio[0, 0], expected["codec_roundtrip_audio"], atol=1e-4, rtol=0)
+    round_trip = codec(expected["codec_input_audio"], 44100)  # forward: encode, then decode
+    assert torch.equal(round_trip.audio_values, audio) and round_trip.audio_codes.shape[:2] == (1, 10)
+    assert torch.equal(codec(audio_codes=round_trip.audio_codes).audio_values, audio)
 
 
 def test_batch_decode_equals_single_decodes(codec, expected, tiny_config):
     codes = torch.cat([expected["codec_codes"][None], random_codes(tiny_config, 12)])
-    batched = codec.decode(codes)
+    batched = codec.decode(codes).audio_values[:, 0]
     for row in range(2):
-        single = codec.decode(codes[row : row + 1])[0]
+        single = codec.decode(codes[row : row + 1]).audio_values[0, 0]
         torch.testing.assert_close(batched[row], single, **reordering_tolerance(single, codec_decode_reductions(codec)))
 
 
 def test_decode_of_zero_frames_is_empty(codec):
-    assert codec.decode(torch.zeros(2, 10, 0, dtype=torch.long)).shape == (2, 0)
+    assert codec.decode(torch.zeros(2, 10, 0, dtype=torch.long)).audio_values.shape == (2, 1, 0)
 
 
 def test_bfloat16_codec_decodes_close_to_float32(tiny_config, expected):
     codec = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config).to(torch.bfloat16)
-    audio = codec.decode(expected["codec_codes"][None])[0]
+    audio = codec.decode(expected["codec_codes"][None]).audio_values[0, 0]
     assert audio.dtype == torch.float32 and torch.isfinite(audio).all()
     assert torch.corrcoef(torch.stack([audio, expected["codec_audio"]]))[0, 1] > 0.95
 
@@ -117,7 +112,7 @@ def test_bfloat16_codec_decodes_close_to_float32(tiny_config, expected):
 def test_folded_state_dict_round_trips(codec, tiny_config, expected):
     reloaded = FishDACCodec(tiny_config)
     reloaded.load_state_dict(codec.state_dict())
-    assert torch.equal(reloaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+    assert torch.equal(reloaded.decode(expected["codec_codes"][None]).audio_values[:, 0], codec.decode(expected["codec_codes"][None]).audio_values[:, 0])
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -135,9 +130,9 @@ def test_codec_round_trips_through_save_pretrained_and_automodel(codec, expected
     settings = [{k: v for k, v in c.config.to_dict().items() if k != "_name_or_path"} for c in (reloaded, codec)]
     assert settings[0] == settings[1]
     codes = expected["codec_codes"][None]
-    assert torch.equal(reloaded.decode(codes), codec.decode(codes))
+    assert torch.equal(reloaded.decode(codes).audio_values[:, 0], codec.decode(codes).audio_values[:, 0])
     audio = expected["codec_input_audio"]
-    assert torch.equal(reloaded.encode(audio, 44100), codec.encode(audio, 44100))
+    assert torch.equal(reloaded.encode(audio, 44100).audio_codes, codec.encode(audio, 44100).audio_codes)
 
 
 def test_codec_is_registered_with_the_auto_classes(tiny_config):
@@ -148,7 +143,7 @@ def test_codec_is_registered_with_the_auto_classes(tiny_config):
 def test_from_codec_file_reads_the_folded_layout_too(codec, expected, tmp_path, tiny_config):
     torch.save(codec.state_dict(), tmp_path / "codec.pth")  # what FishOmniForSpeech.save_pretrained writes
     reloaded = FishDACCodec.from_codec_file(tmp_path / "codec.pth", tiny_config)
-    assert torch.equal(reloaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+    assert torch.equal(reloaded.decode(expected["codec_codes"][None]).audio_values[:, 0], codec.decode(expected["codec_codes"][None]).audio_values[:, 0])
 
 
 @pytest.mark.parametrize("layout", ["original", "folded"])
@@ -199,7 +194,7 @@ def test_the_codec_accepts_an_attention_kernel_and_keeps_its_own_attention(codec
     reloaded = FishDACCodec.from_pretrained(tmp_path, attn_implementation=implementation)
     assert reloaded.config._attn_implementation == implementation
     codes = expected["codec_codes"][None]
-    assert torch.equal(reloaded.decode(codes), codec.decode(codes))  # the same windowed attention either way
+    assert torch.equal(reloaded.decode(codes).audio_values[:, 0], codec.decode(codes).audio_values[:, 0])  # the same windowed attention either way
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -210,7 +205,7 @@ def test_the_codec_accepts_an_attention_kernel_and_keeps_its_own_attention(codec
 def chunked_decode(codec, codes, sizes):
     stream, pieces, start = codec.stream(), [], 0
     for size in sizes:
-        piece = stream.decode(codes[..., start : start + size])
+        piece = stream.decode(codes[..., start : start + size]).audio_values[:, 0]
         assert piece.shape == (codes.shape[0], size * codec.config.frame_length)
         pieces.append(piece)
         start += size
@@ -221,7 +216,7 @@ def chunked_decode(codec, codes, sizes):
 @given(sizes=st.lists(st.integers(min_value=0, max_value=4), min_size=1, max_size=6).filter(lambda s: sum(s) > 0))
 def test_streaming_matches_one_shot_float32(codec, expected, sizes):
     codes = torch.cat([expected["codec_codes"], expected["codec_codes"].flip(-1)], dim=-1)[None, :, : sum(sizes)]
-    one_shot = codec.decode(codes)
+    one_shot = codec.decode(codes).audio_values[:, 0]
     torch.testing.assert_close(chunked_decode(codec, codes, sizes), one_shot,
                                **reordering_tolerance(one_shot, codec_decode_reductions(codec)))
 
@@ -231,22 +226,22 @@ def test_streaming_matches_one_shot_float32(codec, expected, sizes):
 def test_streaming_is_exact_across_windows(small_window_codec, sizes):
     """In float64 the streamed audio is the one-shot audio bit for bit (the output is rounded to float32)."""
     codes = random_codes(small_window_codec.config, sum(sizes), batch=2, seed=len(sizes))
-    assert torch.equal(chunked_decode(small_window_codec, codes, sizes), small_window_codec.decode(codes))
+    assert torch.equal(chunked_decode(small_window_codec, codes, sizes), small_window_codec.decode(codes).audio_values[:, 0])
 
 
 def test_streaming_one_frame_chunks_and_bounded_state(small_window_codec):
     codes = random_codes(small_window_codec.config, 10, seed=3)
     stream, sizes, pieces = small_window_codec.stream(), [], []
     for frame in range(10):
-        pieces.append(stream.decode(codes[..., frame : frame + 1]))
+        pieces.append(stream.decode(codes[..., frame : frame + 1]).audio_values[:, 0])
         sizes.append(stream.state_size())
     assert stream.frames_decoded == 10
-    assert torch.equal(torch.cat(pieces, -1), small_window_codec.decode(codes))
+    assert torch.equal(torch.cat(pieces, -1), small_window_codec.decode(codes).audio_values[:, 0])
     # The KV cache fills up to window - 1 = 2 frames, then the carried state stops growing.
     assert len(set(sizes[2:])) == 1
     stream.reset()
     assert stream.frames_decoded == 0 and stream.state_size() == 0
-    assert torch.equal(stream.decode(codes[..., :3]), torch.cat(pieces[:3], -1))
+    assert torch.equal(stream.decode(codes[..., :3]).audio_values[:, 0], torch.cat(pieces[:3], -1))
 
 
 def test_stream_rejects_batch_change(codec, tiny_config):
@@ -262,10 +257,10 @@ def test_cuda_golden_and_streaming(tiny_config, expected):
     codec = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config).cuda()
     torch.backends.cudnn.allow_tf32 = True
     codes = expected["codec_codes"][None].cuda()
-    audio = codec.decode(codes)
+    audio = codec.decode(codes).audio_values[:, 0]
     assert audio.device.type == "cuda" and torch.backends.cudnn.allow_tf32
     torch.testing.assert_close(audio[0].cpu(), expected["codec_audio"], atol=1e-4, rtol=0)
-    encoded = codec.encode(expected["codec_input_audio"].cuda(), 44100)
+    encoded = codec.encode(expected["codec_input_audio"].cuda(), 44100).audio_codes
     assert torch.equal(encoded[0].cpu(), expected["codec_encoded"])
     torch.testing.assert_close(chunked_decode(codec, codes, [1, 0, 4, 7]), audio,
                                **reordering_tolerance(audio, codec_decode_reductions(codec)))
@@ -299,7 +294,7 @@ def test_tf32_is_off_while_the_codec_runs_and_restored(codec, expected, monkeypa
 
 def test_windowed_attention_matches_masked_full_attention():
     torch.manual_seed(0)
-    attention = WindowedAttention(dim=16, n_head=2, head_dim=8, window=5).double()
+    attention = FishDACWindowedAttention(dim=16, n_head=2, head_dim=8, window=5).double()
     x = torch.randn(2, 23, 16, dtype=torch.float64)  # several query blocks of `window`
     rope = rope_table(torch.arange(23), 8, 10000)
     q, k, v = attention.wqkv(x).view(2, 23, 3, 2, 8).unbind(2)
@@ -408,7 +403,7 @@ def test_folded_weight_norm_equals_unfolded_modules(codec):
     reference = weight_normed(torch.nn.Conv1d(16, 16, 7, dilation=3), g, v)
     reference.bias.data.copy_(state[prefix + "bias"])
     folded = codec.encoder.blocks[2].residual_units[1].conv1
-    assert isinstance(folded, CausalConv1d)
+    assert isinstance(folded, FishDACCausalConv1d)
     # The weight norm sums 16 * 7 squares, the conv 16 inputs * 7 taps.
     wanted = reference(F.pad(x, (18, 0)))
     torch.testing.assert_close(folded(x), wanted, **reordering_tolerance(wanted, 16 * 7 + 16 * 7 + 2))
@@ -425,7 +420,7 @@ def test_vq_out_proj_folded_into_table(codec):
     ids = torch.tensor([[0, 5, 31, 7]])
     reference = out_proj(F.embedding(ids, state[prefix + "codebook.weight"]).transpose(1, 2))  # [1, 64, 4]
     vq = codec.quantizer.codebooks[5]
-    assert isinstance(vq, VectorQuantizer) and vq.table.shape == (32, 64)
+    assert isinstance(vq, FishDACVectorQuantizer) and vq.table.shape == (32, 64)
     # The weight norm sums 8 squares, the 1x1 conv 8 inputs (tolerances.py).
     torch.testing.assert_close(vq.decode(ids), reference, **reordering_tolerance(reference, 8 + 8 + 2))
 
@@ -444,7 +439,7 @@ def test_random_original_state_dict(tiny_config):
     assert all(torch.equal(state[k], again[k]) for k in state)
     codec = FishDACCodec(tiny_config)
     codec.load_original_state_dict(state)
-    audio = codec.decode(random_codes(tiny_config, 8))
+    audio = codec.decode(random_codes(tiny_config, 8)).audio_values[:, 0]
     assert torch.isfinite(audio).all()
     assert 0.05 < audio.std() < 0.7 and (audio.abs() > 0.99).float().mean() < 0.01
 
@@ -460,7 +455,7 @@ def test_load_wrapped_prefixed_state_dict_with_causal_masks(tmp_path, codec, exp
     wrapped["generator.quantizer.pre_module.causal_mask"] = torch.ones(4, 4, dtype=torch.bool)
     torch.save({"state_dict": wrapped}, tmp_path / "codec.pth")
     loaded = FishDACCodec.from_codec_file(tmp_path / "codec.pth", tiny_config)
-    assert torch.equal(loaded.decode(expected["codec_codes"][None]), codec.decode(expected["codec_codes"][None]))
+    assert torch.equal(loaded.decode(expected["codec_codes"][None]).audio_values[:, 0], codec.decode(expected["codec_codes"][None]).audio_values[:, 0])
 
 
 def test_load_legacy_non_mmap_file(tmp_path):
@@ -547,12 +542,14 @@ def test_wrong_number_of_codebooks(codec):
 def test_negative_and_float_codes(codec):
     codes = torch.zeros(1, 10, 4, dtype=torch.long)
     codes[0, 3, 2] = -1
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match=r"out of range \[0, codebook size\): min -1"):
         codec.decode(codes)
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="out of range"):
         codec.stream().decode(codes)
-    with pytest.raises(TypeError, match="integer"):
+    with pytest.raises(ValueError, match="integer ids"):
         codec.decode(torch.zeros(1, 10, 4))
+    with pytest.raises(ValueError, match="either `audio`"):
+        codec()
 
 
 def test_codes_above_codebook_size_are_clamped(codec, tiny_config):
@@ -560,7 +557,7 @@ def test_codes_above_codebook_size_are_clamped(codec, tiny_config):
     codes[0, 0, 0], codes[0, 2, 1] = 63, 31  # last entries of the semantic (64) and residual (32) codebooks
     big = codes.clone()
     big[0, 0, 0], big[0, 2, 1] = 10_000, 500
-    assert torch.equal(codec.decode(big), codec.decode(codes))
+    assert torch.equal(codec.decode(big).audio_values[:, 0], codec.decode(codes).audio_values[:, 0])
 
 
 @pytest.fixture
@@ -603,13 +600,15 @@ def test_bad_sampling_rate(encoder_guard, rate):
 def test_stereo_is_averaged_to_mono(codec, expected):
     mono = expected["codec_input_audio"][:8192]
     stereo = torch.stack([2 * mono, torch.zeros_like(mono)])[None]  # [batch 1, channels 2, samples]; mean is exact
-    assert torch.equal(codec.encode(stereo, 44100), codec.encode(mono, 44100))
-    assert torch.equal(codec.encode(mono.numpy(), 44100), codec.encode(mono[None], 44100))
+    assert torch.equal(codec.encode(stereo, 44100).audio_codes, codec.encode(mono, 44100).audio_codes)
+    assert torch.equal(codec.encode(mono.numpy(), 44100).audio_codes, codec.encode(mono[None], 44100).audio_codes)
+    assert torch.equal(codec.encode(stereo[0], 44100).audio_codes, codec.encode(mono, 44100).audio_codes)  # [2, L]
 
 
 def test_encode_shape_pads_to_whole_frames(codec):
-    audio = 0.1 * torch.randn(2, 3 * 2048 + 1, generator=torch.Generator().manual_seed(0))
-    assert codec.encode(audio, 44100).shape == (2, 10, 4)
+    audio = 0.1 * torch.randn(2, 1, 3 * 2048 + 1, generator=torch.Generator().manual_seed(0))  # [batch, 1, samples]
+    assert codec.encode(audio, 44100).audio_codes.shape == (2, 10, 4)
+    assert codec.encode(audio[:, 0], 44100).audio_codes.shape == (1, 10, 4)  # 2-D is [channels, samples]: one recording
 
 
 def test_other_sample_rate_is_resampled(codec, expected):
@@ -618,9 +617,9 @@ def test_other_sample_rate_is_resampled(codec, expected):
     assert at_48k.shape == (math.ceil(16384 * 48000 / 44100),)
     back = resample_audio(at_48k, 48000, 44100)
     assert back.shape == (16385,)  # ceil(17834 * 44100 / 48000)
-    codes = codec.encode(at_48k, sampling_rate=48000)
+    codes = codec.encode(at_48k, sampling_rate=48000).audio_codes
     assert codes.shape == (1, 10, 9)
-    assert torch.equal(codes, codec.encode(back, 44100))
+    assert torch.equal(codes, codec.encode(back, 44100).audio_codes)
 
 
 def sine(frequency, rate, samples, phase=0.3):

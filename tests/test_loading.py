@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel
 
 from transformers_drama3 import Drama3CheckpointError, FishDACCodec, FishOmniForSpeech
-from transformers_drama3.modeling_codec import FishDACLoadError
+from transformers_drama3.codec_layout import FishDACLoadError
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.quantized_experts import Fp8SelectedExperts
 from transformers_drama3.testing import quantize_fp8_blockwise, write_tiny_checkpoint

@@ -39,7 +39,7 @@ def _outputs(model, prompt, generate: bool):
     with torch.no_grad():
         forward = model(prompt)
     audio_rows = prompt[0, model.is_audio_row(prompt[0, :, 0])]  # [frames, 11]
-    audio = model.codec.decode(audio_rows[:, 1:].T[None])
+    audio = model.codec.decode(audio_rows[:, 1:].T[None]).audio_values[:, 0]
     generated = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES) if generate else None
     return forward, audio, generated
 

@@ -106,8 +106,9 @@ def test_a_bad_reference_fails_in_preprocessing_before_generate(tts, monkeypatch
     calls = _spy(tts, monkeypatch)
     good = Drama3Voice(codes=torch.zeros(10, 2, dtype=torch.long), transcript="Mine.")
     missing = {"transcript": "Mine.", "audio": str(tmp_path / "missing.wav")}
+    monkeypatch.setattr(tts.processor, "codec", tts.model.codec)  # what docs/usage.md says to do once
     with pytest.raises(FileNotFoundError, match=r"references\[0\]\[1\]: audio file .* does not exist"):
-        tts("Hello there.", preprocess_params={"references": [[good, missing]], "codec": tts.model.codec})
+        tts("Hello there.", preprocess_params={"references": [[good, missing]]})
     assert calls == []
 
 

@@ -13,6 +13,7 @@ from transformers import AutoProcessor, AutoTokenizer
 
 from transformers_drama3 import FishOmniConfig
 from transformers_drama3.chunking import split_text
+from transformers_drama3.modeling_codec import FishDACDecoderOutput, FishDACEncoderOutput
 from transformers_drama3.audio_io import AudioFileWriter, ogg_crc, write_atomically
 from transformers_drama3.processing_drama3 import Drama3Processor, left_pad_rows
 from transformers_drama3.speaker_tags import SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
@@ -48,11 +49,11 @@ class StandInCodec:
     def encode(self, audio, sampling_rate):  # [1, L] -> [1, 10, frames]
         self.encode_calls.append((audio.clone(), sampling_rate))
         frames = -(-audio.shape[-1] // 2048)
-        return (torch.arange(10 * frames).reshape(1, 10, frames) % 64).long()
+        return FishDACEncoderOutput((torch.arange(10 * frames).reshape(1, 10, frames) % 64).long())
 
-    def decode(self, codes):  # [1, 10, T] -> [1, 2048 * T]
+    def decode(self, codes):  # [1, 10, T] -> [1, 1, 2048 * T]
         self.decode_calls.append(codes.clone())
-        return torch.linspace(-0.5, 0.5, 2048 * codes.shape[-1])[None]
+        return FishDACDecoderOutput(torch.linspace(-0.5, 0.5, 2048 * codes.shape[-1])[None, None])
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -116,6 +117,18 @@ def test_save_pretrained_and_auto_processor_round_trip(processor, tmp_path, case
     rows = loaded(case["text"], references=_references(case, expected))["input_ids"][0]
     assert torch.equal(rows, expected["prompt_d_rows"])
     assert isinstance(AutoProcessor.from_pretrained(GOLDEN_TINY), Drama3Processor)
+
+
+def test_the_codec_is_a_component_that_is_never_saved(processor, tmp_path):
+    """`codec` reaches the processor through `from_pretrained` or `with_codec` (a copy), and stays out of its config:
+    the codec's weights belong to the model's checkpoint."""
+    codec = StandInCodec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
+    bound = Drama3Processor.from_pretrained(GOLDEN_TINY, codec=codec)
+    assert bound.codec is codec and coding.codec is codec and processor.codec is None
+    bound.save_pretrained(tmp_path)
+    assert "codec" not in (tmp_path / "processor_config.json").read_text() and "StandInCodec" not in repr(bound)
+    assert Drama3Processor.from_pretrained(tmp_path).codec is None
 
 
 def test_loads_from_golden_directory_without_processor_config():
@@ -321,13 +334,14 @@ def test_audio_without_codec(processor):
 
 def test_audio_over_sixty_seconds_is_refused_before_encoding(processor, tmp_path):
     codec = StandInCodec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
     long_audio = np.zeros(16000 * 61, dtype=np.float32)
     with pytest.raises(ValueError, match="at most 60 s"):
-        processor("Hi", references=[{"transcript": "x", "audio": long_audio, "sampling_rate": 16000}], codec=codec)
+        coding("Hi", references=[{"transcript": "x", "audio": long_audio, "sampling_rate": 16000}])
     path = tmp_path / "long.wav"
     soundfile.write(path, np.zeros(8000 * 61, dtype=np.float32), 8000)
     with pytest.raises(ValueError, match="at most 60 s"):
-        processor("Hi", references=[{"transcript": "x", "audio": str(path)}], codec=codec)
+        coding("Hi", references=[{"transcript": "x", "audio": str(path)}])
     assert codec.encode_calls == []
 
 
@@ -345,34 +359,36 @@ def test_audio_over_sixty_seconds_is_refused_before_encoding(processor, tmp_path
 )
 def test_bad_reference_audio(processor, reference, message):
     with pytest.raises((ValueError, FileNotFoundError), match=message):
-        processor("Hi", references=[{"transcript": "x", **reference}], codec=StandInCodec())
+        processor.with_codec(StandInCodec())("Hi", references=[{"transcript": "x", **reference}])
 
 
 def test_every_reference_is_checked_before_any_is_encoded(processor, tmp_path):
     codec = StandInCodec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
     good = {"transcript": "Fine.", "audio": np.zeros(4000, dtype=np.float32), "sampling_rate": 16000}
     (tmp_path / "notes.wav").write_text("not audio")
     soundfile.write(tmp_path / "silence.wav", np.zeros(0, dtype=np.float32), 44100)
     for bad, message in ((str(tmp_path / "notes.wav"), "cannot read audio file"),
                          (str(tmp_path / "silence.wav"), "holds no samples")):
         with pytest.raises(ValueError, match=rf"references\[1\]: .*{message}"):
-            processor("Hi", references=[good, {"transcript": "Bad.", "audio": bad}], codec=codec)
+            coding("Hi", references=[good, {"transcript": "Bad.", "audio": bad}])
         with pytest.raises(ValueError, match=message):  # the same check alone, without a codec
             processor.check_reference({"transcript": "Bad.", "audio": bad})
     with pytest.raises(ValueError, match=r"references\[1\].transcript contains the control token"):
-        processor("Hi", references=[good, {"transcript": "<|im_end|>", "codes": _codes(2)}], codec=codec)
+        coding("Hi", references=[good, {"transcript": "<|im_end|>", "codes": _codes(2)}])
     assert codec.encode_calls == []
     processor.check_reference(good)  # a good reference passes without a codec
 
 
 def test_converted_references_are_said_once(processor, tmp_path, caplog):
     codec = StandInCodec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
     stereo = tmp_path / "phone.wav"
     soundfile.write(stereo, np.zeros((4000, 2), dtype=np.float32), 8000)
     with caplog.at_level("WARNING", logger="transformers_drama3"):
-        processor("Hi", references=[{"transcript": "Mine.", "audio": str(stereo)}], codec=codec)
-        processor("Hi", references=[{"transcript": "Mine.", "audio": np.zeros(44100, dtype=np.float32),
-                                     "sampling_rate": 48000}], codec=codec)  # mono, 48 kHz: nothing to say
+        coding("Hi", references=[{"transcript": "Mine.", "audio": str(stereo)}])
+        coding("Hi", references=[{"transcript": "Mine.", "audio": np.zeros(44100, dtype=np.float32),
+                                     "sampling_rate": 48000}])  # mono, 48 kHz: nothing to say
     assert [record.getMessage() for record in caplog.records] == [
         "references[0]: its 2 channels are averaged to mono; its 8000 Hz are resampled to 44100 Hz, which cannot "
         "restore the high frequencies it lacks (the cloned voice may sound muffled: use a recording of 44.1 kHz or "
@@ -411,19 +427,21 @@ def test_audio_file_reference_is_averaged_to_mono_and_encoded(processor, tmp_pat
     path = tmp_path / "voice.wav"
     soundfile.write(path, np.stack([left, -left * 0.5], axis=1), 22050, subtype="FLOAT")
     codec = StandInCodec()
-    out = processor("Hi", references=[{"transcript": "Hello.", "audio": path}], codec=codec)
+    coding = processor.with_codec(codec)  # the processor holding a codec
+    out = coding("Hi", references=[{"transcript": "Hello.", "audio": path}])
     (audio, rate), = codec.encode_calls
     assert rate == 22050 and audio.shape == (1, 5000) and audio.dtype == torch.float32
     mono = torch.from_numpy(left * 0.25)
     torch.testing.assert_close(audio[0], mono, **reordering_tolerance(mono, 2))  # a float32 mean of two channels
-    expected = processor("Hi", references=[{"transcript": "Hello.", "codes": codec.encode(audio, rate)[0]}])
+    expected = processor("Hi", references=[{"transcript": "Hello.", "codes": codec.encode(audio, rate).audio_codes[0]}])
     assert torch.equal(out["input_ids"], expected["input_ids"])
 
 
 def test_array_reference_channels_first(processor):
     codec = StandInCodec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
     stereo = torch.stack([torch.ones(3000), torch.zeros(3000)])  # [channels, samples]
-    processor("Hi", references={"transcript": "Hello.", "audio": stereo, "sampling_rate": 16000}, codec=codec)
+    coding("Hi", references={"transcript": "Hello.", "audio": stereo, "sampling_rate": 16000})
     (audio, rate), = codec.encode_calls
     assert rate == 16000 and torch.equal(audio, torch.full((1, 3000), 0.5))
 
@@ -462,10 +480,11 @@ def test_voice_load_rejects_other_files(tmp_path):
 
 def test_create_voice(processor):
     codec = StandInCodec()
-    voice = processor.create_voice("Hello.", np.zeros(5000, dtype=np.float32), 44100, codec=codec, name="v")
+    coding = processor.with_codec(codec)  # the processor holding a codec
+    voice = coding.create_voice("Hello.", np.zeros(5000, dtype=np.float32), 44100, name="v")
     assert voice.codes.shape == (10, 3) and voice.transcript == "Hello." and voice.name == "v"
     with pytest.raises(ValueError, match="contains the control token"):
-        processor.create_voice("<|voice|>", np.zeros(5000, dtype=np.float32), 44100, codec=codec)
+        coding.create_voice("<|voice|>", np.zeros(5000, dtype=np.float32), 44100)
 
 
 def test_history_turns_follow_the_system_turn(processor):
@@ -624,19 +643,20 @@ def test_decode_uses_audio_rows_only(processor):
     text_row[0, 0] = 300
     frames = torch.cat([torch.zeros(2, WIDTH, dtype=torch.long), text_row, audio_rows])
     codec = StandInCodec()
-    audio = processor.frames_to_audio(frames, codec=codec)
+    coding = processor.with_codec(codec)  # the processor holding a codec
+    audio = coding.frames_to_audio(frames)
     assert audio.shape == (4 * 2048,) and audio.dtype == torch.float32
     assert torch.equal(codec.decode_calls[0], codes[None])
-    batch = processor.batch_frames_to_audio(torch.stack([frames, torch.cat([audio_rows, audio_rows[:3]])]), codec=codec)
+    batch = coding.batch_frames_to_audio(torch.stack([frames, torch.cat([audio_rows, audio_rows[:3]])]))
     assert [a.shape[0] for a in batch] == [4 * 2048, 7 * 2048]
-    assert processor.frames_to_audio(frames[:3], codec=codec).shape == (0,)
+    assert coding.frames_to_audio(frames[:3]).shape == (0,)
 
 
 def test_decode_without_codec(processor):
     with pytest.raises(ValueError, match="codec=model.codec"):
         processor.frames_to_audio(torch.zeros(3, WIDTH, dtype=torch.long))
     with pytest.raises(ValueError, match="frames must have shape"):
-        processor.frames_to_audio(torch.zeros(3, 10, dtype=torch.long), codec=StandInCodec())
+        processor.with_codec(StandInCodec()).frames_to_audio(torch.zeros(3, 10, dtype=torch.long))
 
 
 @pytest.mark.parametrize("suffix, file_format, subtype", [(".wav", "WAV", "PCM_16"), (".flac", "FLAC", "PCM_16"),
@@ -650,6 +670,8 @@ def test_save_audio_formats(processor, tmp_path, suffix, file_format, subtype):
     if suffix != ".ogg":  # lossless: within 16-bit rounding
         read, _ = soundfile.read(path, dtype="float32")
         np.testing.assert_allclose(read, audio.numpy(), atol=1 / 32768)
+    one_channel = processor.save_audio(audio[None], tmp_path / f"channels{suffix}")  # [1, samples]: the same bytes
+    assert one_channel.read_bytes() == path.read_bytes()
 
 
 def test_save_audio_header_and_clipping(processor, tmp_path):
@@ -749,11 +771,12 @@ def _tiny_codec():
 
 def test_with_fish_dac_codec(processor, expected, tmp_path):
     codec = _tiny_codec()
+    coding = processor.with_codec(codec)  # the processor holding a codec
     path = tmp_path / "reference.wav"
     soundfile.write(path, expected["codec_input_audio"].numpy(), 44100, subtype="FLOAT")
-    voice = processor.create_voice("A chirp.", path, codec=codec)
+    voice = coding.create_voice("A chirp.", path)
     assert torch.equal(voice.codes, expected["codec_encoded"])
     codes = expected["codec_codes"]
     frames = torch.cat([codes[:1] + processor.semantic_start_id, codes]).T
-    audio = processor.frames_to_audio(frames, codec=codec)
+    audio = coding.frames_to_audio(frames)
     torch.testing.assert_close(audio, expected["codec_audio"], atol=1e-4, rtol=0)

@@ -20,7 +20,7 @@ import pytest
 import soundfile
 import torch
 
-from transformers_drama3 import cli
+from transformers_drama3 import loading
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving import cli as serving_cli
@@ -28,7 +28,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY
+from .conftest import GOLDEN_TINY, default_sigint
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -69,7 +69,7 @@ def http(server):
 @pytest.fixture(scope="module")
 def reference():
     """A second copy of the checkpoint, loaded as the server loads it, to compute the expected audio here."""
-    return cli.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
 
 
 def pcm16(audio: torch.Tensor) -> np.ndarray:
@@ -285,14 +285,14 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     files = {"audio": ("me.wav", sine_wav(1.0), "audio/wav")}
     created = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."}, files=files)
     assert created.status_code == 201, created.text
-    assert created.json()["id"] == "me" and (voices_dir / "me.safetensors").is_file()
+    assert created.json()["id"] == "me" and (voices_dir / "me.voice.safetensors").is_file()
     assert "me" in [voice["id"] for voice in http.get("/v1/voices").json()["data"]]
     again = http.post("/v1/voices", data={"name": "me", "transcript": "Again."}, files=files)
     assert again.status_code == 409
 
     response = speech(http, input="Hello there.", voice="me", temperature=0, max_new_tokens=4, response_format="wav")
     model, processor = reference
-    voice = Drama3Voice.load(voices_dir / "me.safetensors")
+    voice = Drama3Voice.load(voices_dir / "me.voice.safetensors")
     output = model.generate(**processor("Hello there.", references=[voice]), do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
 
@@ -305,8 +305,8 @@ def test_request_references_clone_a_voice(http, reference):
     assert response.status_code == 200, response.text
     model, processor = reference
     samples, rate = soundfile.read(io.BytesIO(audio), dtype="float32")
-    inputs = processor("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
-                                                    "sampling_rate": rate}], codec=model.codec)
+    inputs = processor.with_codec(model.codec)("Hello there.", references=[{"transcript": "This is my voice.", "audio": samples,
+                                                    "sampling_rate": rate}])
     output = model.generate(**inputs, do_sample=False, max_new_tokens=4)
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
 
@@ -425,7 +425,7 @@ def test_drama3_serve_command(tmp_path):
     with open(log, "w") as output:
         command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
                    "--max-frames", "8", "--fast-decode"]
-        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         try:
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT

@@ -82,7 +82,7 @@ def test_long_text_chunks_carry_history_and_join_into_one_waveform(model, proces
     assert speech.audio.shape[0] == speech.num_frames * FRAME
     assert speech.sampling_rate == 44100 and speech.duration == pytest.approx(8 * FRAME / 44100)
     # one continuous decode: the codec carries its state across chunks
-    whole = model.codec.decode(torch.cat(speech.codes, dim=1)[None])[0]
+    whole = model.codec.decode(torch.cat(speech.codes, dim=1)[None]).audio_values[0, 0]
     torch.testing.assert_close(speech.audio, whole, **reordering_tolerance(whole, codec_decode_reductions(model.codec)))
 
 
@@ -142,13 +142,13 @@ def test_voice_cloning_with_codes_an_audio_file_and_a_voice_file(model, processo
     reference = {"transcript": transcript, "audio": str(wav)}
     from_audio = synthesize(model, processor, " ".join(SENTENCES[:2]), reference, **greedy)
     assert len(calls) == 1  # encoded once for both chunks
-    codes = processor.encode_audio(str(wav), codec=model.codec)
+    codes = processor.with_codec(model.codec).encode_audio(str(wav))
     assert codes.shape == (10, 6)  # 0.25 s -> 11025 samples at 44.1 kHz -> 6 frames of 2048
     for prompt in prompts:
         assert _contains(prompt, _audio_rows(processor, codes))
     assert from_audio.audio.shape[0] == from_audio.num_frames * FRAME > 0
 
-    voice_path = processor.create_voice(transcript, str(wav), codec=model.codec).save(tmp_path / "me.voice.safetensors")
+    voice_path = processor.with_codec(model.codec).create_voice(transcript, str(wav)).save(tmp_path / "me.voice.safetensors")
     prompts.clear()
     with_codes = [{"transcript": transcript, "codes": codes}]
     from_codes = synthesize(model, processor, SENTENCES[0], with_codes, **greedy)

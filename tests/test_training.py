@@ -12,6 +12,8 @@ wrong row, mask or weight.
 import copy
 import csv
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -127,7 +129,7 @@ def test_prepare_builds_inference_rows_and_labels_of_the_generated_part(prepared
     for example in dataset:
         transcript = GOOD_CLIPS[example["name"]][0]
         prompt = processor.build_prompt_rows(transcript)  # [P, 11]: exactly what inference puts before the audio
-        codes = processor.encode_audio(str(data_dir / example["name"]), codec=model.codec)  # one clip alone
+        codes = processor.with_codec(model.codec).encode_audio(str(data_dir / example["name"]))  # one clip alone
         rows, labels = torch.tensor(example["input_ids"]), torch.tensor(example["labels"])
         p, n = prompt.shape[0], codes.shape[1]
         assert rows.shape == labels.shape == (p + n + 1, 11)
@@ -186,7 +188,7 @@ def test_speaker_tags_and_references_are_put_in_every_prompt(data_dir, model, pr
     reference = {"transcript": "This is my voice.", "audio": str(data_dir / "a.wav")}
     result = prepare_dataset(data_dir, tmp_path, codec=model.codec, processor=processor, speaker=2,
                              references=[reference], max_seconds=MAX_SECONDS, show_progress=False)
-    voice = processor.create_voice(reference["transcript"], reference["audio"], codec=model.codec)
+    voice = processor.with_codec(model.codec).create_voice(reference["transcript"], reference["audio"])
     for example in result.dataset:
         transcript = GOOD_CLIPS[example["name"]][0]
         expected_text = transcript if transcript.startswith("<|speaker") else "<|speaker:2|> " + transcript
@@ -421,3 +423,16 @@ def test_merged_model_matches_adapters_and_saves_in_the_original_layout(trained,
         assert torch.equal(reloaded.generate(prompt, do_sample=False, max_new_tokens=6, output_audio=False).sequences,
                            merged_frames)
         assert torch.equal(reloaded(**batch).main_logits, out.main_logits)
+
+
+def test_drama3_prepare_imports_neither_peft_nor_bitsandbytes():
+    """bitsandbytes prints a line about its CPU kernels when imported (peft imports it): `drama3-prepare` and the
+    dataset side of `transformers_drama3.training` never import them (the LoRA names, which this module imports
+    at its top, load them on first use)."""
+    script = (
+        "import sys\nfrom transformers_drama3.training import cli, prepare_dataset\n"
+        "try:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('loaded:', sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert "loaded: []" in result.stdout and "usage: drama3-prepare" in result.stdout, result.stdout + result.stderr

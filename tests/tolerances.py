@@ -24,13 +24,13 @@ import math
 
 import torch
 
-from transformers_drama3.modeling_codec import (
-    CausalConv1d,
-    CausalConvTranspose1d,
-    FishDACCodec,
-    RMSNorm,
-    WindowedAttention,
+from transformers_drama3.codec_blocks import (
+    FishDACCausalConv1d,
+    FishDACCausalConvTranspose1d,
+    FishDACRMSNorm,
+    FishDACWindowedAttention,
 )
+from transformers_drama3.modeling_codec import FishDACCodec
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -98,14 +98,14 @@ def codec_decode_reductions(codec: FishDACCodec) -> int:
     total = len(codec.quantizer.codebooks)
     parts = (codec.quantizer.post_module, codec.quantizer.upsample, codec.decoder)
     for module in (module for part in parts for module in part.modules()):
-        if isinstance(module, CausalConv1d):
+        if isinstance(module, FishDACCausalConv1d):
             total += module.weight.shape[1] * module.weight.shape[2]
-        elif isinstance(module, CausalConvTranspose1d):
+        elif isinstance(module, FishDACCausalConvTranspose1d):
             total += module.weight.shape[0] * math.ceil(module.weight.shape[2] / module.stride)
         elif isinstance(module, torch.nn.Linear):
             total += module.in_features
-        elif isinstance(module, (RMSNorm, torch.nn.LayerNorm)):
+        elif isinstance(module, (FishDACRMSNorm, torch.nn.LayerNorm)):
             total += module.weight.shape[0]
-        elif isinstance(module, WindowedAttention):
+        elif isinstance(module, FishDACWindowedAttention):
             total += module.head_dim + module.window
     return total

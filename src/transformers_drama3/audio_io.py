@@ -64,6 +64,18 @@ def check_sampling_rate(sampling_rate: Any, where: str) -> int:
     return int(sampling_rate)
 
 
+def check_audio_layout(shape: tuple[int, ...], where: str, batched: bool = False) -> None:
+    """The package's one audio layout, samples last: `[samples]` (mono) or `[channels, samples]` for one recording,
+    and `[batch, channels, samples]` for a batch (the codec's, when `batched`). Refuses other ranks, no samples, and a
+    recording with at least as many channels as samples: that is `[samples, channels]` (soundfile's order)."""
+    layouts = "[samples], [channels, samples] or [batch, channels, samples]" if batched else "[samples] or [channels, samples]"
+    if len(shape) not in ((1, 2, 3) if batched else (1, 2)) or 0 in shape:
+        raise ValueError(f"{where}: audio must be {layouts}, not empty; got shape {list(shape)}")
+    if len(shape) > 1 and shape[-2] >= shape[-1]:
+        raise ValueError(f"{where}: audio of shape {list(shape)} has more channels than samples: it looks like "
+                         "[samples, channels]; transpose it (audio.T) to [channels, samples]")
+
+
 def audio_file_header(path: str | os.PathLike, where: str):
     """soundfile's header info of an audio file (`frames`, `samplerate`, `channels`, ...), read without its samples;
     clear errors for a missing, unreadable or non-audio file."""
@@ -99,8 +111,8 @@ def write_audio(path: str | os.PathLike, audio: Any, sampling_rate: int) -> Path
     audio_file_format(path)
     rate = check_sampling_rate(sampling_rate, "save_audio")
     samples = _waveform(audio)
-    if samples.ndim == 2:
-        samples = samples.T  # soundfile wants [samples, channels]
+    if samples.ndim == 2:  # [channels, samples] -> soundfile's [samples, channels], or [samples] for one channel
+        samples = samples[0] if samples.shape[0] == 1 else samples.T
     elif samples.ndim != 1:
         raise ValueError(f"audio must be [samples] or [channels, samples]; got shape {samples.shape}")
     if not np.isfinite(samples).all():

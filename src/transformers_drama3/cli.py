@@ -4,6 +4,7 @@
     drama3-tts --model fishaudio/drama-3 --text-file story.txt --output story.flac --seed 1
     drama3-tts --model DIR "<|speaker:0|> Hi! <|speaker:1|> Hello." -o dialogue.wav --voice me.voice.safetensors
     torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
+    drama3-tts --model DIR --manifest jobs.jsonl --output-dir out/ --seed 1   (docs/scaling.md)
 
 Everything about a request is checked before the model loads: the command line, the sampling settings (by
 `generation_settings`, the model's own rules), the device, the text, the output path, the checkpoint's location,
@@ -31,13 +32,19 @@ import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
+from .loading import (
+    is_kernel_fallback,
+    load_model,
+    load_parallel_model,
+    missing_kernel_packages,
+    resolve_device_and_dtype,
+    under_torchrun,
+)
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # main-token sampling, meaningless with --greedy
 STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # what process managers and closing terminals send
-# transformers' note that a linear-attention kernel package is missing: those kernels exist for GPUs only.
-KERNEL_FALLBACK = re.compile(r"falling back to its reference PyTorch implementation because `([^`]+)` is not installed")
 
 
 class CommandError(Exception):
@@ -94,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"long text is spoken in chunks of at most this many UTF-8 bytes (default 300, at "
                           f"least {MIN_CHUNK_BYTES})")
 
+    jobs = parser.add_argument_group("manifest jobs", "many texts into many files, resumable (docs/scaling.md); "
+                                      "under torchrun each rank takes a share with a whole model (--parallel: one "
+                                      "model split over all ranks)")
+    jobs.add_argument("--manifest", type=Path, metavar="JOBS.jsonl", help="speak every item of this JSON Lines file")
+    jobs.add_argument("--output-dir", type=Path, metavar="DIR", help="where the item files and results.jsonl go")
+    jobs.add_argument("--batch-size", type=int, default=8, metavar="N",
+                      help="items generated together, grouped by length (default 8)")
+
     run = parser.add_argument_group("running")
     run.add_argument("--stream", action="store_true", help="write the audio while it is generated")
     run.add_argument("--fast-decode", action="store_true",
@@ -121,6 +136,9 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      "torchrun --nproc-per-node N -m transformers_drama3.cli ...")
     if under_torchrun() and args.device != "auto":
         parser.error("under torchrun each rank uses GPU LOCAL_RANK (or the CPU): leave --device out")
+    if args.manifest is not None or args.output_dir is not None:
+        check_manifest_usage(parser, args)
+        return
     if args.summary:
         speech_flags = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
                         ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice))
@@ -154,14 +172,19 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error(f"--chunk-bytes must be at least {MIN_CHUNK_BYTES}; got {args.chunk_bytes}")
 
 
-def under_torchrun() -> bool:
-    """Launched by torchrun with several processes (`parallel.launched_with_torchrun`). parallel.py imports torch, so
-    it is asked only when torchrun's `WORLD_SIZE` is set."""
-    if "WORLD_SIZE" not in os.environ:
-        return False
-    from . import parallel
-
-    return parallel.launched_with_torchrun()
+def check_manifest_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A manifest job takes its texts, voices and outputs from the manifest: refuse the flags of a single run."""
+    if args.manifest is None or args.output_dir is None:
+        parser.error("--manifest JOBS.jsonl and --output-dir DIR go together")
+    single = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
+              ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice),
+              ("--stream", args.stream), ("--summary", args.summary))
+    given = [flag for flag, value in single if value]
+    if given:
+        parser.error(f"a --manifest job takes its texts, voices and formats from the manifest: leave out "
+                     f"{', '.join(given)}")
+    if args.batch_size < 1:
+        parser.error(f"--batch-size must be at least 1; got {args.batch_size}")
 
 
 def generation_flags(args: argparse.Namespace) -> dict:
@@ -196,47 +219,6 @@ def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Names
     return flags
 
 
-def check_device(device: str) -> None:
-    """Refuse a device torch does not know, or one this machine does not have, with a message saying what to use."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError):
-        raise ValueError(f"--device {device!r} is not a device: use cpu, cuda, cuda:N, mps or xpu") from None
-    if parsed.type == "cpu":
-        return
-    if parsed.type == "mps":
-        available, count = torch.backends.mps.is_available(), 1
-    elif parsed.type in ("cuda", "xpu"):
-        backend = getattr(torch, parsed.type)
-        available, count = backend.is_available(), backend.device_count()
-    else:
-        raise ValueError(f"--device {device!r}: Drama 3 does not run on {parsed.type!r} devices; use cpu, cuda or mps")
-    if not available:
-        build = " (this torch is built without CUDA)" if parsed.type == "cuda" and torch.version.cuda is None else ""
-        raise ValueError(f"--device {device}: no {parsed.type} device is available on this machine{build}; "
-                         "use --device cpu")
-    if parsed.index is not None and parsed.index >= count:
-        raise ValueError(f"--device {device}: this machine has {count} {parsed.type} device(s), numbered from 0")
-
-
-def resolve_device_and_dtype(device: str, dtype: str):
-    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype), the device checked (`check_device`):
-    cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator, float32 on the
-    CPU."""
-    import torch
-
-    if device == "auto" and under_torchrun():
-        device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if torch.cuda.is_available() else "cpu"
-    elif device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_device(device)
-    if dtype == "auto":
-        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
-    return device, getattr(torch, dtype)
-
-
 def _read_text(args: argparse.Namespace) -> str | None:
     try:
         if args.text_file is not None:
@@ -261,26 +243,6 @@ def check_writable(path: Path) -> None:
         raise PermissionError(f"cannot write {str(path)!r}: the directory {str(parent)!r} is not writable")
 
 
-def load_model(path: str, device: str, dtype):
-    """The model on `device` (loaded straight there on an accelerator, so a large checkpoint never sits in RAM)."""
-    import torch
-
-    from .modeling_drama3 import FishOmniForSpeech
-
-    if torch.device(device).type == "cpu":
-        return FishOmniForSpeech.from_pretrained(path, dtype=dtype).eval()
-    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
-
-
-def load_parallel_model(path: str, dtype, expert_parallel: bool):
-    """This rank's share of the model, split over the torchrun ranks (`transformers_drama3.parallel`)."""
-    from . import parallel
-    from .modeling_drama3 import FishOmniForSpeech
-
-    config = parallel.distributed_config(expert_parallel=expert_parallel)
-    return FishOmniForSpeech.from_pretrained(path, dtype=dtype, distributed_config=config).eval()
-
-
 def is_main_process() -> bool:
     """Rank 0 under torchrun (and every single process): the one that reads input, prints and writes."""
     if not under_torchrun():
@@ -299,8 +261,10 @@ def main(argv: list[str] | None = None) -> int:
             flags = check_generation_flags(parser, args)
             if under_torchrun():
                 from . import parallel
+                from .jobs import JOB_COLLECTIVE_TIMEOUT
 
-                parallel.init_process_group()
+                # A manifest job's ranks meet only at its end, after their last batches, which may differ by hours.
+                parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if args.manifest is not None else None)
                 notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
     except KeyboardInterrupt:
@@ -354,6 +318,7 @@ class _Notes(logging.Handler):
         self.messages: list[str] = []
         self.said: set[str] = set()
         self.on_cpu = True  # linear-attention kernels exist for GPUs only: no note about them on a CPU
+        self.kernel_fallback = False  # transformers said that a kernel package is missing (`is_kernel_fallback`)
 
     @classmethod
     @contextlib.contextmanager
@@ -381,7 +346,10 @@ class _Notes(logging.Handler):
             notes.say_all()
 
     def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
+        if is_kernel_fallback(record):
+            self.kernel_fallback = True
+        else:
+            self.messages.append(record.getMessage())
 
     def say(self, message: str) -> None:
         if not self.quiet:
@@ -390,10 +358,9 @@ class _Notes(logging.Handler):
     def say_all(self) -> None:
         """Print the notes collected so far, each once; transformers' notes about missing GPU kernels are gathered
         into one (and left out on a CPU, where those kernels do not exist)."""
-        messages, self.messages = self.messages, []
-        missing = sorted({match.group(1) for message in messages if (match := KERNEL_FALLBACK.search(message))})
-        lines = [message for message in messages if not KERNEL_FALLBACK.search(message)]
-        if missing and not self.on_cpu:
+        lines, self.messages = self.messages, []
+        missing = missing_kernel_packages() if self.kernel_fallback and not self.on_cpu else []
+        if missing:
             lines.append(f"{' and '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed, so the "
                          "linear-attention layers run their reference PyTorch code (correct, but slower): "
                          f"pip install {' '.join(missing)}")
@@ -409,6 +376,8 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
 
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     notes.on_cpu = device == "cpu"
+    if args.manifest is not None:
+        return _run_manifest(args, flags, notes, device, dtype)
     text, voices = _on_main_process(_read_inputs, args)
     path = _checkpoint(args)
     if args.summary:
@@ -426,9 +395,10 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     for file, voice in zip(args.voice, voices):
         processor.check_reference(voice, f"--voice {file}")
     model = _load(args, notes, path, device, dtype)
+    processor.codec = model.codec
 
     references = [  # encoded once, here, so that notes about the recordings come before the progress bars
-        {"transcript": transcript, "codes": processor.encode_audio(audio, codec=model.codec, where=f"--reference {n}")}
+        {"transcript": transcript, "codes": processor.encode_audio(audio, where=f"--reference {n}")}
         for n, (audio, transcript) in enumerate(zip(args.reference, args.reference_text), start=1)
     ] + voices
     notes.say_all()
@@ -445,6 +415,35 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     chunks = len(speech.texts)
     notes.say(f"wrote {args.output}: {speech.duration:.2f} s, {speech.num_frames} frames, "
               f"{chunks} chunk{'s' if chunks != 1 else ''}")
+    return 0
+
+
+def _run_manifest(args: argparse.Namespace, flags: dict, notes: _Notes, device, dtype) -> int:
+    """`--manifest`: the manifest read and its items' files checked before the model loads, then the job
+    (`transformers_drama3.jobs`); under torchrun a whole model per rank unless --parallel splits one over all."""
+    from .jobs import plan_job, read_manifest, run_job
+    from .processing_drama3 import Drama3Processor
+
+    items = _on_main_process(read_manifest, args.manifest, args.seed or 0, flags)  # before any download
+    path = _checkpoint(args)
+    processor = _loaded(Drama3Processor.from_pretrained, path)
+    plan = _on_main_process(lambda: plan_job(items, args.output_dir, processor, batch_size=args.batch_size,
+                                             chunk_bytes=args.chunk_bytes))
+    if under_torchrun() and args.parallel is None:
+        from . import parallel
+
+        notes.say(f"loading {args.model or 'the tiny checkpoint'}: a whole model on each of "
+                  f"{parallel.world_size()} ranks")
+        model = _loaded(load_model, path, device, dtype)
+    else:
+        model = _load(args, notes, path, device, dtype)
+    summary = run_job(model, processor, plan, show_progress=not args.quiet)
+    notes.say_all()
+    notes.say(f"{summary.done} items spoken ({summary.seconds:.1f} s of audio), {summary.skipped} done before, "
+              f"{summary.failed} failed: {summary.results}")
+    if summary.failed:
+        raise CommandError(f"{summary.failed} item(s) failed; their errors are in {summary.results} "
+                           "(rerun the same command to retry them)")
     return 0
 
 

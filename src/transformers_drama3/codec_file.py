@@ -20,7 +20,8 @@ import torch
 
 from .checkpoint_mapping import Drama3CheckpointError
 from .configuration_drama3 import FishDACConfig
-from .modeling_codec import FishDACCodec, check_codec_state_dict, load_codec_state_dict
+from .codec_layout import check_codec_state_dict, load_codec_state_dict, original_state_dict_shapes
+from .modeling_codec import FishDACCodec
 
 CODEC_FILE = "codec.pth"
 CODEC_MODULE = "codec"  # the codec's attribute in FishOmniForSpeech, and its prefix in the model's state dict
@@ -37,6 +38,14 @@ def read_codec_file(directory: str, config: FishDACConfig) -> dict[str, torch.Te
     with torch.device("meta"):
         check_codec_state_dict(FishDACCodec(config), state_dict)
     return state_dict
+
+
+def original_codec_key_shapes(config: FishDACConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor name of an original `codec.pth` for `config` (docs/format.md#codec-file-keys) with its shape;
+    nothing is allocated."""
+    with torch.device("meta"):
+        codec = FishDACCodec(config)
+    return original_state_dict_shapes(codec)
 
 
 def take_codec_placement(device_map):
@@ -84,5 +93,5 @@ def write_codec_file(codec: FishDACCodec, directory: str) -> None:
     torch.save(codec.original_state_dict(), os.path.join(directory, CODEC_FILE))
 
 
-__all__ = ["CODEC_FILE", "CODEC_MODULE", "attach_codec", "read_codec_file", "take_codec_placement",
-           "without_codec", "write_codec_file"]
+__all__ = ["CODEC_FILE", "CODEC_MODULE", "attach_codec", "original_codec_key_shapes", "read_codec_file",
+           "take_codec_placement", "without_codec", "write_codec_file"]

@@ -561,7 +561,7 @@ class Drama3GenerationMixin(GenerationMixin):
         codes = [sequences[i, rows : rows + n, 1:].T.contiguous() for i, n in enumerate(loop.lengths)]  # [NCB, n_i]
         if not settings.return_dict_in_generate:
             return sequences
-        audio = [self.codec.decode(c[None].to(execution_device(self.codec)))[0] for c in codes] if output_audio else None
+        audio = [self.codec.decode(c[None].to(execution_device(self.codec))).audio_values[0, 0] for c in codes] if output_audio else None
         return Drama3GenerateOutput(
             sequences=sequences, codes=codes, audio=audio, finish_reason=loop.finish_reason,
             scores=tuple(loop.scores) if settings.output_scores else None,

@@ -27,6 +27,7 @@ from .codec_file import attach_codec, read_codec_file, take_codec_placement, wit
 from .configuration_drama3 import FishOmniConfig
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
+from .loading import default_dtype
 from .modeling_codec import FishDACCodec
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .parallel import ParallelRequest
@@ -543,20 +544,6 @@ def _local_checkpoint_directory(name_or_path: str | os.PathLike, kwargs: dict) -
     """A local directory holding the whole checkpoint; Hub repository ids are downloaded first."""
     hub_kwargs = {key: kwargs[key] for key in ("cache_dir", "revision", "token", "local_files_only") if key in kwargs}
     return checkpoint_directory(name_or_path, **hub_kwargs)
-
-
-def default_dtype(kwargs: dict) -> None:
-    """Without a `dtype` (or with `"auto"`) on a machine with no GPU, load in float32 instead of the checkpoint's
-    bfloat16: most CPUs compute bfloat16 slowly, and its rounding makes a greedy batch differ from greedy single
-    runs. With a GPU (even when loading to the CPU first, to move the model later) the checkpoint's dtype stays.
-    docs/usage.md#loading."""
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if dtype not in (None, "auto") or torch.cuda.is_available() or torch.xpu.is_available():
-        return
-    if torch.backends.mps.is_available():
-        return
-    kwargs.pop("torch_dtype", None)
-    kwargs["dtype"] = torch.float32
 
 
 __all__ = ["Drama3SpeechOutput", "FishOmniForSpeech", "FishOmniPreTrainedModel"]

@@ -17,6 +17,7 @@ as `history` turns. Audio files are read and written by `audio_io`.
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
@@ -30,8 +31,9 @@ from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import logging
 
-from .audio_io import audio_file_header, check_sampling_rate, read_audio_file, write_audio
+from .audio_io import audio_file_header, check_audio_layout, check_sampling_rate, read_audio_file, write_audio
 from .chunking import split_text
+from .codes import check_codes
 from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from .voice import Drama3Voice
 
@@ -51,6 +53,10 @@ USER_START = "<|im_start|>user\n"
 VOICE_START = "<|im_start|>assistant\n<|voice|>"
 
 
+NO_CODEC = ("needs the codec: give the processor the model's (Drama3Processor.from_pretrained(path, codec=model.codec), "
+            "or processor.codec = model.codec)")
+
+
 def _reference_segment(number: int, transcript: str) -> str:
     return f"\n\n[Reference {number}]\nText: {transcript}\nSpeech: "
 
@@ -67,8 +73,12 @@ class Drama3Processor(ProcessorMixin):
         max_reference_seconds: longest accepted reference (60 s, the serving limit); 10-30 s works best.
         max_prompt_rows: longest accepted prompt, in frame rows (8192, the serving limit): references, history
             and text together.
+        codec: the model's codec (`model.codec`), which turns reference audio into codes (`encode_audio`) and frames
+            into audio (`frames_to_audio`); only those two need it. Not saved with the processor: its weights are
+            the model's (`codec.pth`). Give it here, to `from_pretrained(path, codec=model.codec)`, or set
+            `processor.codec = model.codec`.
 
-    Call it as `processor(text, references=None, history=None, codec=None, return_tensors="pt")`.
+    Call it as `processor(text, references=None, history=None, return_tensors="pt")`.
     """
 
     def __init__(
@@ -79,14 +89,36 @@ class Drama3Processor(ProcessorMixin):
         frame_length: int = 2048,
         max_reference_seconds: float = 60.0,
         max_prompt_rows: int = 8192,
+        codec: Any = None,
     ):
         super().__init__(tokenizer)
+        self.codec = codec
         self.num_codebooks = num_codebooks
         self.sampling_rate = sampling_rate
         self.frame_length = frame_length
         self.max_reference_seconds = max_reference_seconds
         self.max_prompt_rows = max_prompt_rows
         self._read_token_ids()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, codec: Any = None, **kwargs) -> Drama3Processor:
+        """transformers' `ProcessorMixin.from_pretrained`, then `codec` (the model's) attached: it must reach neither
+        the tokenizer's keywords nor any saved config."""
+        processor = super().from_pretrained(pretrained_model_name_or_path, **kwargs)
+        processor.codec = codec
+        return processor
+
+    def to_dict(self) -> dict[str, Any]:
+        """transformers' processor config, without the codec (the model's weights, never copied or saved here)."""
+        without_codec = object.__new__(type(self))
+        without_codec.__dict__ = {key: value for key, value in self.__dict__.items() if key != "codec"}
+        return ProcessorMixin.to_dict(without_codec)
+
+    def with_codec(self, codec: Any) -> Drama3Processor:
+        """This processor with `codec`: a shallow copy (the tokenizer is shared), `self` left as it is."""
+        bound = copy.copy(self)
+        bound.codec = codec
+        return bound
 
     def _read_token_ids(self) -> None:
         """Find the semantic band, end of speech and speaker tags in the tokenizer, and the ids to refuse."""
@@ -168,19 +200,19 @@ class Drama3Processor(ProcessorMixin):
         text: str,
         references: Any = None,
         history: Sequence | None = None,
-        codec: Any = None,
     ) -> torch.Tensor:
         """Prompt rows `[T, 1 + num_codebooks]` of one request (see `__call__` for the arguments)."""
         references, history = self._as_list(references), list(history or ())
-        self.check_request(text, references, history, codec)
-        return self._prompt_rows(text, references, history, codec, index=None)
+        self.check_request(text, references, history)
+        return self._prompt_rows(text, references, history, index=None)
 
-    def check_request(self, text: str, references: Any = None, history: Sequence | None = None, codec: Any = None,
+    def check_request(self, text: str, references: Any = None, history: Sequence | None = None,
                       index: int | None = None) -> None:
         """Raise a clear error for anything wrong with one request, without encoding audio or touching a model.
 
         Checks the text, every reference (`check_reference`: file headers or arrays, lengths) and history turn, and
-        that a codec is given when a reference is audio. `index` is the request's place in a batch (for messages).
+        that the processor has a codec when a reference is audio. `index` is the request's place in a batch (for
+        messages).
         """
         at = "" if index is None else f"[{index}]"
         self.check_text(text, f"text{at}")
@@ -190,16 +222,14 @@ class Drama3Processor(ProcessorMixin):
         for n, turn in enumerate(history or ()):
             self._resolve_history_turn(turn, f"history{at}[{n}]")
         audio = [n for n, ref in enumerate(references) if isinstance(ref, Mapping) and ref.get("audio") is not None]
-        if audio and codec is None:
-            raise ValueError(
-                f"references{at}[{audio[0]}]: turning reference audio into codes needs the codec: pass "
-                f"codec=model.codec, or give precomputed 'codes' or a saved Drama3Voice instead of audio"
-            )
+        if audio and self.codec is None:
+            raise ValueError(f"references{at}[{audio[0]}]: turning reference audio into codes {NO_CODEC}; or give "
+                             "precomputed 'codes' or a saved Drama3Voice instead of audio")
 
-    def _prompt_rows(self, text: str, references: list, history: list, codec: Any, index: int | None) -> torch.Tensor:
+    def _prompt_rows(self, text: str, references: list, history: list, index: int | None) -> torch.Tensor:
         """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
         at = "" if index is None else f"[{index}]"
-        parts = [self._resolve_reference(ref, codec, f"references{at}[{n}]") for n, ref in enumerate(references)]
+        parts = [self._resolve_reference(ref, f"references{at}[{n}]") for n, ref in enumerate(references)]
         turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
         instruction = REFERENCE_INSTRUCTION if parts else INSTRUCTION
         rows = [self._literal_rows(SYSTEM_START), self._literal_rows(instruction)]
@@ -227,7 +257,6 @@ class Drama3Processor(ProcessorMixin):
         text: str | Sequence[str],
         references: Any = None,
         history: Sequence | None = None,
-        codec: Any = None,
         return_tensors: str = "pt",
     ) -> BatchFeature:
         r"""Build left-padded prompt rows for one text or a batch of texts.
@@ -242,7 +271,6 @@ class Drama3Processor(ProcessorMixin):
             history: earlier turns, each `(text, codes [10, frames])`, a dict with `"text"` and `"codes"`, or a
                 `Drama3Voice`; inserted after the system turn (docs/format.md#long-text). For a batch: one list
                 per text.
-            codec: the model's codec (`model.codec`), needed only for references given as audio.
             return_tensors: `"pt"` or `"np"`.
 
         Returns:
@@ -256,9 +284,9 @@ class Drama3Processor(ProcessorMixin):
         batch_history = self._per_text(history, text, "history", lambda turns: list(turns or ()))
         single = isinstance(text, str)
         for index, (item, refs, turns) in enumerate(zip(texts, batch_references, batch_history)):
-            self.check_request(item, refs, turns, codec, index=None if single else index)
+            self.check_request(item, refs, turns, index=None if single else index)
         prompts = [
-            self._prompt_rows(item, refs, turns, codec, index=None if single else index)
+            self._prompt_rows(item, refs, turns, index=None if single else index)
             for index, (item, refs, turns) in enumerate(zip(texts, batch_references, batch_history))
         ]
         input_ids, attention_mask = self._left_pad(prompts)
@@ -350,13 +378,13 @@ class Drama3Processor(ProcessorMixin):
                 f"array with 'sampling_rate'), its codes [{self.num_codebooks}, frames], or use a saved Drama3Voice"
             )
 
-    def _resolve_reference(self, reference: Any, codec: Any, where: str) -> tuple[str, torch.Tensor]:
+    def _resolve_reference(self, reference: Any, where: str) -> tuple[str, torch.Tensor]:
         """A checked reference as `(transcript, codes [K, frames])`, encoding audio through the codec when needed."""
         if isinstance(reference, Drama3Voice):
             return reference.transcript, self.check_codes(reference.codes, f"{where}.codes", reference=True)
         if reference.get("codes") is not None:
             return reference["transcript"], self.check_codes(reference["codes"], f"{where}.codes", reference=True)
-        codes = self.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
+        codes = self.encode_audio(reference["audio"], reference.get("sampling_rate"), where=where)
         return reference["transcript"], codes
 
     def _resolve_history_turn(self, turn: Any, where: str) -> tuple[str, torch.Tensor]:
@@ -373,22 +401,14 @@ class Drama3Processor(ProcessorMixin):
         return text, self.check_codes(codes, f"{where} codes")
 
     def check_codes(self, codes: Any, where: str = "codes", reference: bool = False) -> torch.Tensor:
-        """Validate codec codes `[num_codebooks, frames]` and return them as a CPU int64 tensor.
+        """Validate codec codes `[num_codebooks, frames]` (`codes.check_codes`), at least one frame, and return them
+        as a CPU int64 tensor.
 
         Ids must lie in `[0, semantic_vocab_size)`; a reference must also be at most `max_reference_seconds` long.
         """
-        codes = torch.as_tensor(codes)
-        if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
-            raise ValueError(f"{where} must hold integer ids; got {codes.dtype}")
-        if codes.ndim != 2 or codes.shape[0] != self.num_codebooks or codes.shape[1] == 0:
-            transposed = codes.ndim == 2 and codes.shape[1] == self.num_codebooks
-            raise ValueError(
-                f"{where} must have shape [{self.num_codebooks}, frames] with at least one frame; "
-                f"got {tuple(codes.shape)}" + (" (transposed? codes are [codebooks, frames])" if transposed else "")
-            )
-        low, high = int(codes.min()), int(codes.max())
-        if low < 0 or high >= self.semantic_vocab_size:
-            raise ValueError(f"{where} has ids out of range [0, {self.semantic_vocab_size}): min {low}, max {high}")
+        codes = check_codes(codes, self.num_codebooks, where, vocab_size=self.semantic_vocab_size)
+        if codes.shape[1] == 0:
+            raise ValueError(f"{where} has no frames: codes are [{self.num_codebooks}, frames] with at least one frame")
         # Encoding pads audio to whole frames: allow the frames of a reference of the maximum length.
         max_frames = math.ceil(self.max_reference_seconds * self.sampling_rate / self.frame_length)
         if reference and codes.shape[1] > max_frames:
@@ -397,7 +417,7 @@ class Drama3Processor(ProcessorMixin):
                 f"{where} has {codes.shape[1]} frames ({seconds:.1f} s); references may be at most "
                 f"{self.max_reference_seconds:g} s ({max_frames} frames): trim it"
             )
-        return codes.to(device="cpu", dtype=torch.long)
+        return codes.cpu()
 
     def _check_duration(self, samples: int, sampling_rate: int, where: str) -> None:
         """Refuse a reference longer than `max_reference_seconds`."""
@@ -410,27 +430,22 @@ class Drama3Processor(ProcessorMixin):
 
     # -- audio in --------------------------------------------------------------------------------------------
 
-    def encode_audio(
-        self, audio: Any, sampling_rate: int | None = None, codec: Any = None, where: str = "audio"
-    ) -> torch.Tensor:
-        """Reference audio -> codes `[num_codebooks, frames]` through `codec.encode`.
+    def encode_audio(self, audio: Any, sampling_rate: int | None = None, where: str = "audio") -> torch.Tensor:
+        """Reference audio -> codes `[num_codebooks, frames]` through the processor's `codec.encode`.
 
         `audio` is a file path (read with soundfile) or a float array / tensor `[samples]` or `[channels, samples]`
         with `sampling_rate`. Channels are averaged to mono here and the codec resamples to its 44.1 kHz; a warning
         says so when that happens to a recording with several channels or a lower rate.
         """
-        if codec is None:
-            raise ValueError(
-                f"{where}: turning reference audio into codes needs the codec: pass codec=model.codec, or give "
-                f"precomputed 'codes' or a saved Drama3Voice instead of audio"
-            )
+        if self.codec is None:
+            raise ValueError(f"{where}: turning reference audio into codes {NO_CODEC}; or give precomputed 'codes' "
+                             "or a saved Drama3Voice instead of audio")
         self.check_audio(audio, sampling_rate, where)
         samples, sampling_rate, channels = self._mono_audio(audio, sampling_rate, where)  # [L]
         self._say_conversion(channels, sampling_rate, where)
         with torch.inference_mode():
-            codes = codec.encode(torch.from_numpy(samples)[None], sampling_rate)  # [1, K, frames]
-        if not isinstance(codes, torch.Tensor) or codes.ndim != 3 or codes.shape[0] != 1:
-            raise RuntimeError(f"codec.encode must return codes [1, {self.num_codebooks}, frames]; got {codes!r:.80}")
+            mono = torch.from_numpy(samples)[None]  # [1, L]: one recording, [channels, samples]
+            codes = self.codec.encode(mono, sampling_rate).audio_codes  # [1, K, frames]
         return self.check_codes(codes[0].cpu(), f"{where} (encoded)")
 
     def check_audio(self, audio: Any, sampling_rate: int | None = None, where: str = "audio") -> None:
@@ -453,14 +468,7 @@ class Drama3Processor(ProcessorMixin):
         samples = audio.detach().cpu().numpy() if isinstance(audio, torch.Tensor) else np.asarray(audio)
         if not np.issubdtype(samples.dtype, np.floating):
             raise ValueError(f"{where}: audio must be a float array with values in [-1, 1]; got dtype {samples.dtype}")
-        if samples.ndim == 2 and samples.shape[0] >= samples.shape[1]:
-            raise ValueError(
-                f"{where}: audio of shape {samples.shape} must be [channels, samples] (transpose [samples, channels])"
-            )
-        if samples.ndim not in (1, 2) or samples.shape[-1] == 0:
-            raise ValueError(
-                f"{where}: audio must be [samples] or [channels, samples] and not empty; got {samples.shape}"
-            )
+        check_audio_layout(samples.shape, where)
         self._check_duration(samples.shape[-1], sampling_rate, where)
         if not np.isfinite(samples).all():
             raise ValueError(f"{where}: audio contains NaN or infinite values")
@@ -495,12 +503,11 @@ class Drama3Processor(ProcessorMixin):
         transcript: str,
         audio: Any,
         sampling_rate: int | None = None,
-        codec: Any = None,
         name: str | None = None,
     ) -> Drama3Voice:
         """Encode reference audio once into a reusable `Drama3Voice` (save it with `voice.save(path)`)."""
         self.check_text(transcript, "transcript")
-        codes = self.encode_audio(audio, sampling_rate, codec)
+        codes = self.encode_audio(audio, sampling_rate)
         return Drama3Voice(codes=codes, transcript=transcript, name=name)
 
     # -- long text -------------------------------------------------------------------------------------------
@@ -526,24 +533,23 @@ class Drama3Processor(ProcessorMixin):
         audio_rows = (main >= self.semantic_start_id) & (main < self.semantic_start_id + self.semantic_vocab_size)
         return frames[audio_rows, 1:].T.to(device="cpu", dtype=torch.long)  # [K, n]
 
-    def frames_to_audio(self, frames: Any, codec: Any = None) -> torch.Tensor:
-        """Generated frames `[T, 1 + K]` -> float32 audio `[n * frame_length]` through `codec.decode` (CPU)."""
-        if codec is None:
-            raise ValueError(
-                "turning frames into audio needs the codec: processor.frames_to_audio(frames, codec=model.codec)"
-            )
+    def frames_to_audio(self, frames: Any) -> torch.Tensor:
+        """Generated frames `[T, 1 + K]` -> float32 audio `[n * frame_length]` through the processor's
+        `codec.decode` (CPU)."""
+        if self.codec is None:
+            raise ValueError(f"turning frames into audio {NO_CODEC}")
         codes = self.frames_to_codes(frames)  # [K, n]
         if codes.shape[1] == 0:
             return torch.zeros(0, dtype=torch.float32)
         with torch.inference_mode():
-            audio = codec.decode(codes[None])  # [1, n * frame_length]
+            audio = self.codec.decode(codes[None]).audio_values  # [1, 1, n * frame_length]
         return audio[0].reshape(-1).to(device="cpu", dtype=torch.float32)
 
-    def batch_frames_to_audio(self, frames: Any, codec: Any = None) -> list[torch.Tensor]:
+    def batch_frames_to_audio(self, frames: Any) -> list[torch.Tensor]:
         """A batch of frames `[B, T, 1 + K]` (or a list of `[T_i, 1 + K]`) -> one audio tensor per sequence."""
         if isinstance(frames, torch.Tensor) and frames.ndim != 3:
             raise ValueError(f"batch_frames_to_audio takes frames [B, T, {self.row_width}]; got {tuple(frames.shape)}")
-        return [self.frames_to_audio(sequence, codec) for sequence in frames]
+        return [self.frames_to_audio(sequence) for sequence in frames]
 
     def save_audio(self, audio: Any, path: str | os.PathLike, sampling_rate: int | None = None) -> Path:
         """Write float audio `[samples]` or `[channels, samples]` to `path`, atomically (`audio_io.write_audio`).

@@ -128,7 +128,7 @@ class Drama3AudioStreamer(BaseStreamer):
         self._jobs.put((sequence, codes, event))
 
     def _decode(self, sequence: int, codes: torch.Tensor) -> torch.Tensor:
-        return self._sequences[sequence].decoder.decode(codes)[0].cpu()  # [n * frame_length]
+        return self._sequences[sequence].decoder.decode(codes).audio_values[0, 0].cpu()  # [n * frame_length]
 
     def _emit(self, sequence: int, chunk: torch.Tensor | None) -> None:
         if self.on_audio is not None:

@@ -62,8 +62,9 @@ class _ChunkStreamer(BaseStreamer):
         pass
 
 
-def encode_references(processor, references, codec) -> list:
-    """`references` as a list (None, one reference, or a list), checked, with every audio reference encoded to codes.
+def encode_references(processor, references) -> list:
+    """`references` as a list (None, one reference, or a list), checked, with every audio reference encoded to codes
+    (by the processor's codec).
 
     Every reference is checked (`processor.check_reference`) before the first is encoded. Audio references become
     `{"transcript", "codes"}` dicts, so a text split into many chunks pays one codec encoding per reference.
@@ -76,13 +77,13 @@ def encode_references(processor, references, codec) -> list:
         raise TypeError(f"references must be a Drama3Voice, a dict or a list of them; got {type(references).__name__}")
     for n, reference in enumerate(references):
         processor.check_reference(reference, f"references[{n}]")
-    return [_encoded(processor, reference, codec, f"references[{n}]") for n, reference in enumerate(references)]
+    return [_encoded(processor, reference, f"references[{n}]") for n, reference in enumerate(references)]
 
 
-def _encoded(processor, reference, codec, where: str):
+def _encoded(processor, reference, where: str):
     if not isinstance(reference, Mapping) or reference.get("audio") is None:
         return reference
-    codes = processor.encode_audio(reference["audio"], reference.get("sampling_rate"), codec, where=where)
+    codes = processor.encode_audio(reference["audio"], reference.get("sampling_rate"), where=where)
     rest = {key: value for key, value in reference.items() if key not in ("audio", "sampling_rate")}
     return {**rest, "codes": codes}
 
@@ -115,7 +116,8 @@ def synthesize(
         text: the text, with speaker tags for dialogue; split into chunks of at most `chunk_bytes` UTF-8 bytes and
             `max_speakers` speakers (`processor.split_text`).
         references: voice references as the processor takes them (dicts with `"transcript"` and `"audio"` or
-            `"codes"`, or `Drama3Voice`s); audio is encoded once with `model.codec`.
+            `"codes"`, or `Drama3Voice`s); audio is encoded once, by the processor's codec (a processor without
+            one uses `model.codec`).
         seed / generator: make the whole run reproducible (one generator serves every chunk).
         streamer: a `Drama3AudioStreamer` receives the audio of all chunks as one stream (it ends after the
             last chunk) and its chunks are the returned audio; any other `BaseStreamer` gets the codes of every
@@ -133,7 +135,9 @@ def synthesize(
     result = Drama3Speech(audio=torch.zeros(0), sampling_rate=model.config.sampling_rate)
     try:  # the streams end whatever happens, so a consumer iterating them never waits forever
         texts = processor.split_text(text, max_bytes=chunk_bytes, max_speakers=max_speakers)
-        references = encode_references(processor, references, model.codec)
+        if processor.codec is None:
+            processor = processor.with_codec(model.codec)
+        references = encode_references(processor, references)
         device = model.input_device
         generator = request_generators(seed, generator, 1, execution_device(model.lm_head))
         frames_per_second = model.config.sampling_rate / model.config.codec_config.frame_length

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from .checkpoint_mapping import FP8_BLOCK, expected_original_tensors
 from .configuration_drama3 import FishDACConfig, FishOmniConfig, merge_settings
-from .modeling_codec import original_codec_key_shapes
+from .codec_file import original_codec_key_shapes
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 STRUCTURAL_TOKENS = ["<|im_start|>", "<|im_end|>", "<|voice|>", "<|text|>", "<|interleave|>"]

@@ -3,6 +3,7 @@
     POST /v1/audio/speech   speech (OpenAI request + Drama 3 fields); wav/pcm stream, sse events, flac/mp3/opus
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
+    GET, PUT, DELETE /v1/voices/{name}   one voice: its details, replace (or create) it, delete it
     GET  /health            200 when the model is loaded, 503 while it loads (never needs the API key)
     GET  /metrics           request and batching counters
 
@@ -27,8 +28,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..cli import load_model, resolve_device_and_dtype
 from ..generation_drama3 import generation_settings
+from ..loading import load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
 from .audio_encoding import (
     ResponseFormat,
@@ -68,7 +69,7 @@ class SpeechService:
         device, dtype = resolve_device_and_dtype(settings.device, settings.dtype)
         logger.info("loading %s on %s (%s)", settings.model, device, str(dtype).removeprefix("torch."))
         model = load_model(settings.model, device, dtype)
-        processor = Drama3Processor.from_pretrained(settings.model)
+        processor = Drama3Processor.from_pretrained(settings.model, codec=model.codec)
         processor.max_reference_seconds = settings.max_reference_seconds
         step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
         worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
@@ -80,6 +81,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     """The server's FastAPI app. The model loads when the app starts; `on_load_failure(error)` is called if that
     fails (the command line stops the server then)."""
     voices = VoiceLibrary(settings.voices_dir)
+    if voices.directory is not None:
+        logger.info("voices: %d in %s (shared with every server that uses it)", voices.scan(), voices.directory)
 
     async def load_and_serve() -> None:
         try:
@@ -132,15 +135,35 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
 
     @app.get("/v1/voices")
     async def list_voices() -> dict:
-        return {"object": "list", "data": [voices.describe(name) for name in voices.names()]}
+        return {"object": "list", "data": await asyncio.to_thread(voices.describe_all)}
+
+    @app.get("/v1/voices/{name}")
+    async def voice_details(name: str) -> dict:
+        return await asyncio.to_thread(voices.describe, name, 404)
+
+    @app.delete("/v1/voices/{name}")
+    async def delete_voice(name: str) -> dict:
+        await asyncio.to_thread(voices.delete, name)
+        logger.info("deleted voice %r", name)
+        return {"id": name, "object": "voice", "deleted": True}
 
     @app.post("/v1/voices", status_code=201)
     async def enrol_voice(request: Request) -> JSONResponse:
+        return await enrol(request, None)
+
+    @app.put("/v1/voices/{name}")
+    async def replace_voice(name: str, request: Request) -> JSONResponse:
+        return await enrol(request, name)
+
+    async def enrol(request: Request, replacing: str | None) -> JSONResponse:
+        """Encode an uploaded recording into a voice and save it: a new name (POST), or `replacing` (PUT: 200 when
+        a voice was replaced, 201 when it is new)."""
         service = ready()
         if voices.directory is None:
             raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
         form = await request.form()
-        name, transcript, upload = form.get("name"), form.get("transcript"), form.get("audio")
+        name = replacing if replacing is not None else form.get("name")
+        transcript, upload = form.get("transcript"), form.get("audio")
         for field, value in (("name", name), ("transcript", transcript)):
             if not isinstance(value, str):
                 raise APIError(400, f"missing form field {field!r}: send multipart fields name, transcript and audio "
@@ -148,21 +171,19 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if upload is None or isinstance(upload, str):
             raise APIError(400, "missing file field 'audio': upload the recording (WAV, FLAC, OGG or MP3)", "audio",
                            "missing_parameter")
-        path = voices.path(name, "name")
-        if path.exists():
-            raise APIError(409, f"a voice called {name!r} already exists; choose another name", "name", "voice_exists")
+        voices.check_new_name(name, replace=replacing is not None)
         checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
         data = await upload.read()
         samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
 
         def encode():
-            return service.processor.create_voice(transcript, samples, rate, codec=service.model.codec, name=name)
+            return service.processor.create_voice(transcript, samples, rate, name=name)
 
         # The generation thread encodes it, between two batches: the model is used by one thread at a time.
         voice = await asyncio.get_running_loop().run_in_executor(service.worker.executor, encode)
-        voices.save(name, voice)
-        logger.info("enrolled voice %r (%d frames)", name, voice.codes.shape[1])
-        return JSONResponse(voices.describe(name), status_code=201)
+        replaced = await asyncio.to_thread(voices.save, name, voice, replacing is not None)
+        logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
+        return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
 
     @app.get("/metrics")
     async def metrics() -> dict:
@@ -203,7 +224,7 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     sampling, max_new_tokens = sampling_settings(body, service, settings)
     texts = checked(lambda: service.processor.split_text(body.input, max_bytes=settings.chunk_bytes), "input")
     references = []
-    voice = voices.load(body.voice_name)
+    voice = voices.get(body.voice_name)
     if voice is not None:
         references.append(voice)
     for index, reference in enumerate(body.references):

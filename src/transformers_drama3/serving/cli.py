@@ -13,14 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
-from ..cli import INTERRUPTED
 from ..testing import default_tiny_checkpoint
 from .settings import ServerSettings
 
 API_KEY_VARIABLE = "DRAMA3_API_KEY"
+INTERRUPTED = 128 + signal.SIGINT  # the shell's status of a command ended by Ctrl+C (130, as drama3-tts)
 DEFAULTS = ServerSettings()
 
 
@@ -41,7 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "only; 0.0.0.0 for every interface)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--voices", type=Path, metavar="DIR",
-                        help="directory of saved voices (NAME.safetensors); POST /v1/voices adds to it")
+                        help="directory of saved voices (NAME.voice.safetensors, as drama3-tts --save-voice writes "
+                        "them); POST /v1/voices adds to it; replicas may share it (docs/serving.md)")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_VARIABLE}, "
                         "which keeps the key out of the process list; no key: open to anyone who can connect)")

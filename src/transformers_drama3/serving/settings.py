@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..cli import MIN_CHUNK_BYTES
+from ..chunking import MIN_CHUNK_BYTES
 
 
 @dataclass
@@ -13,7 +13,7 @@ class ServerSettings:
     """Options of a speech server; the defaults are those of `drama3-serve --help`.
 
     model: checkpoint directory or Hub id. model_name: the id clients send as `model` and `GET /v1/models` lists
-    (default: the checkpoint's directory name). voices_dir: where saved voices (`NAME.safetensors`) live.
+    (default: the checkpoint's directory name). voices_dir: where saved voices (`NAME.voice.safetensors`) live.
     api_key: when set, every `/v1` call needs `Authorization: Bearer API_KEY`. max_batch: most requests in one
     `generate`. batch_window_ms: how long the worker waits after a first request for others to batch with it.
     max_queue: waiting requests beyond which new ones get 429. max_text_chars: longest `input` (413 beyond).

@@ -315,7 +315,7 @@ class GenerationWorker:
         job.started_at = time.monotonic()
         try:
             job.generator = torch.Generator(device=self.model.input_device).manual_seed(job.seed)
-            job.references = encode_references(self.processor, job.references, self.model.codec)
+            job.references = encode_references(self.processor, job.references)
             job.audio_stream = Drama3AudioStreamer(self.model.codec, overlap=self.overlap, on_audio=job.on_audio)
         except Exception as error:  # noqa: BLE001  (this request fails alone)
             logger.warning("request %s: cannot start: %s", job.request_id, error)

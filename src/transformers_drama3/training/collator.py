@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..codes import is_integer_dtype
 from ..modeling_drama3 import IGNORE_INDEX
 
 
@@ -65,7 +66,7 @@ class Drama3SpeechCollator:
         if key not in example:
             raise KeyError(f"example {index} has no {key!r}: collate examples made by prepare_dataset / speech_example")
         rows = torch.as_tensor(example[key])
-        if rows.ndim != 2 or rows.shape[0] == 0 or rows.dtype.is_floating_point:
+        if rows.ndim != 2 or rows.shape[0] == 0 or not is_integer_dtype(rows.dtype):
             raise ValueError(
                 f"example {index}: {key} must be integer frame rows [rows, 1 + K], got {tuple(rows.shape)} {rows.dtype}"
             )

@@ -98,7 +98,7 @@ def load_codec_and_processor(model: str | os.PathLike, device: str | torch.devic
     state_dict = read_codec_file(str(directory), config.codec_config)
     codec = FishDACCodec.from_codec_state_dict(state_dict, config.codec_config)
     codec = codec.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    processor = Drama3Processor.from_pretrained(directory)
+    processor = Drama3Processor.from_pretrained(directory, codec=codec)
     return codec, processor
 
 
@@ -149,7 +149,9 @@ def prepare_dataset(
         codec, processor = load_codec_and_processor(model, device)
     out_dir = Path(out_dir)
     recordings, skipped = find_recordings(data_dir)
-    voices = [_as_voice(reference, processor, codec) for reference in references]
+    if processor.codec is None:  # a processor without a codec encodes reference audio with this one
+        processor = processor.with_codec(codec)
+    voices = [_as_voice(reference, processor) for reference in references]
     processor.build_prompt_rows("<|speaker:0|> a", references=voices)  # a bad reference fails here, not per clip
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -183,7 +185,7 @@ class _Plan:
     sampling_rate: int
 
 
-def _as_voice(reference: Any, processor: Drama3Processor, codec: FishDACCodec) -> Any:
+def _as_voice(reference: Any, processor: Drama3Processor) -> Any:
     """A reference given as audio, encoded once into a `Drama3Voice`; other references as they are."""
     if isinstance(reference, dict) and reference.get("audio") is not None and reference.get("codes") is None:
         unknown = set(reference) - {"transcript", "audio", "sampling_rate"}
@@ -191,8 +193,7 @@ def _as_voice(reference: Any, processor: Drama3Processor, codec: FishDACCodec) -
             raise ValueError(
                 f"a reference has unknown keys {sorted(unknown)}; use 'transcript', 'audio', 'sampling_rate'"
             )
-        return processor.create_voice(reference.get("transcript"), reference["audio"], reference.get("sampling_rate"),
-                                      codec=codec)
+        return processor.create_voice(reference.get("transcript"), reference["audio"], reference.get("sampling_rate"))
     return reference
 
 
@@ -313,7 +314,8 @@ def encode_clips(codec: FishDACCodec, clips: list[torch.Tensor]) -> list[torch.T
     batch = torch.zeros(len(clips), max(clip.shape[0] for clip in clips))  # [B, L]
     for index, clip in enumerate(clips):
         batch[index, : clip.shape[0]] = clip
-    codes = codec.encode(batch.to(execution_device(codec)), codec.config.sample_rate).cpu()  # [B, K, frames]
+    audio = batch[:, None].to(execution_device(codec))  # [B, 1, L]: the codec's [batch, channels, samples]
+    codes = codec.encode(audio, codec.config.sample_rate).audio_codes.cpu()  # [B, K, frames]
     return [codes[index, :, : math.ceil(clip.shape[0] / frame)] for index, clip in enumerate(clips)]
 
 

@@ -1,0 +1,236 @@
+"""Manifest jobs (`drama3-tts --manifest`, `transformers_drama3.jobs`): the manifest checked before any model loads,
+a 16-item job with a bad item in the middle, the same files byte for byte under `torchrun --nproc-per-node 2`
+(gloo), and a job killed halfway that a rerun finishes by making only the missing items. The golden tiny checkpoint,
+4 frames per item: the audio is noise, but the same noise is the point."""
+
+import json
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformers_drama3 import cli, loading
+from transformers_drama3.jobs import (
+    RECORDS_FOLDER, ManifestError, plan_job, read_manifest, records_in, run_manifest,
+)
+from transformers_drama3.processing_drama3 import Drama3Processor
+
+from .conftest import GOLDEN_TINY
+
+FRAMES, BATCH, CHUNK_BYTES = 4, 4, 40
+BAD_ITEM = "item07"
+LONG_ITEM = "item12"  # several chunks at CHUNK_BYTES: spoken by synthesize, not batched
+TEXTS = ["Hello there.", "Good morning to you all.", "Yes.", "What a day it has been, truly.", "No!",
+         "Maybe later then.", "The quick brown fox.", "It rains.", "We will see.", "Over the hills and far away.",
+         "Ok.", "Really?", "First part of it, a longer one. Second part of it, longer too.", "That was fun.",
+         "Goodbye for now.", "See you."]
+TIMEOUT = 600
+CLI_FLAGS = ["--model", str(GOLDEN_TINY), "--max-new-tokens", str(FRAMES), "--chunk-bytes", str(CHUNK_BYTES)]
+TRANSIENT = ("run", "rank", "time_s", "batch_size")  # record fields that say how an item was made, not what
+
+
+def write_manifest(folder: Path) -> Path:
+    """16 items, one of them (line 8) with a "recording" that is not audio, one in the flac format."""
+    (folder / "notes.txt").write_text("not audio")
+    lines = []
+    for index, text in enumerate(TEXTS):
+        item = {"id": f"item{index:02d}", "text": text}
+        if item["id"] == BAD_ITEM:
+            item["references"] = [{"audio": "notes.txt", "transcript": "Not audio."}]
+        if index == 3:
+            item["format"] = "flac"
+        lines.append(json.dumps(item))
+    path = folder / "jobs.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def environment() -> dict:
+    variables = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(cli.__file__).parents[1])}
+    variables.pop("WORLD_SIZE", None)
+    return variables
+
+
+def results(folder: Path) -> dict:
+    return {record["id"]: record for record in records_in(folder / "results.jsonl")}
+
+
+def what_was_made(records: dict) -> dict:
+    """The records without the fields that say how an item was made (which run, rank, batch; how long)."""
+    return {key: {name: value for name, value in record.items() if name not in TRANSIENT}
+            for key, record in records.items()}
+
+
+def files(folder: Path) -> dict:
+    return {path.name: path.read_bytes() for path in folder.iterdir() if path.suffix in (".wav", ".flac")}
+
+
+@pytest.fixture(scope="module")
+def model():
+    """Loaded as the CLI loads it, so that its files can be compared with the CLI's byte for byte."""
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory, model):
+    """(manifest, output folder) of the reference run: one process, through the Python API."""
+    folder = tmp_path_factory.mktemp("job")
+    manifest = write_manifest(folder)
+    summary = run_manifest(*model, manifest, folder / "out", batch_size=BATCH, chunk_bytes=CHUNK_BYTES,
+                           show_progress=False, max_new_tokens=FRAMES)
+    assert (summary.done, summary.skipped, summary.failed) == (15, 0, 1)
+    return manifest, folder / "out"
+
+
+def test_a_bad_item_is_recorded_and_the_job_goes_on(job):
+    manifest, out = job
+    records = results(out)
+    assert list(records) == [f"item{index:02d}" for index in range(16)]  # in manifest order
+    bad = records.pop(BAD_ITEM)
+    assert bad["status"] == "failed" and "notes.txt" in bad["error"] and "cannot read audio" in bad["error"]
+    assert not (out / f"{BAD_ITEM}.wav").exists()
+    assert all(record["status"] == "done" and (out / record["file"]).is_file() for record in records.values())
+    assert records["item03"]["file"] == "item03.flac"
+    assert records[LONG_ITEM]["chunks"] > 1 and records["item00"]["chunks"] == 1
+    assert all(record["frames"] <= FRAMES * record["chunks"] and record["seconds"] > 0 for record in records.values())
+    assert not list((out / RECORDS_FOLDER).iterdir())  # merged into results.jsonl
+
+
+def test_a_rerun_skips_done_items_and_redoes_a_changed_or_failed_one(job, model, tmp_path):
+    manifest, out = job
+    shutil.copytree(out, tmp_path / "out")
+    before = files(tmp_path / "out")
+    lines = manifest.read_text().splitlines()
+    lines[1] = json.dumps({"id": "item01", "text": "Changed text."})
+    changed = tmp_path / "jobs.jsonl"
+    changed.write_text("\n".join(lines) + "\n")
+    shutil.copy(manifest.parent / "notes.txt", tmp_path)
+    summary = run_manifest(*model, changed, tmp_path / "out", batch_size=BATCH, chunk_bytes=CHUNK_BYTES,
+                           show_progress=False, max_new_tokens=FRAMES)
+    assert (summary.done, summary.skipped, summary.failed) == (1, 14, 1)
+    after = files(tmp_path / "out")
+    assert {name for name in after if after[name] != before[name]} == {"item01.wav"}
+    assert results(tmp_path / "out")["item01"]["run"] != results(out)["item01"]["run"]
+
+
+def test_two_ranks_make_the_same_files_byte_for_byte(job, tmp_path):
+    manifest, out = job
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               "-m", "transformers_drama3.cli", *CLI_FLAGS, "--manifest", str(manifest), "--output-dir",
+               str(tmp_path / "out"), "--batch-size", str(BATCH), "--quiet"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=environment())
+    assert run.returncode != 0 and "1 item(s) failed" in run.stderr  # the bad item, on every rank count
+    assert files(tmp_path / "out") == files(out)
+    split, single = results(tmp_path / "out"), results(out)
+    assert {record["rank"] for record in split.values() if record["status"] == "done"} == {0, 1}
+    assert what_was_made(split) == what_was_made(single)
+
+
+def test_a_killed_job_is_finished_by_a_rerun_that_makes_only_the_missing_items(job, model, tmp_path):
+    """The job runs in a forked copy of this process (the model already loaded), killed with SIGKILL once it has
+    recorded 4 spoken items; the rerun here makes the others, and every file equals the uninterrupted run's."""
+    manifest, out = job
+
+    def killed_job() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test run in the background ignores SIGINT
+        run_manifest(*model, manifest, tmp_path / "out", batch_size=1, chunk_bytes=CHUNK_BYTES, show_progress=False,
+                     max_new_tokens=FRAMES)
+
+    process = multiprocessing.get_context("fork").Process(target=killed_job, daemon=True)
+    process.start()
+    records_dir, deadline = tmp_path / "out" / RECORDS_FOLDER, time.monotonic() + TIMEOUT
+    parts = []
+    while time.monotonic() < deadline and process.is_alive():
+        parts = list(records_dir.glob("*.jsonl")) if records_dir.is_dir() else []
+        if parts and len(records_in(parts[0])) >= 5:  # the bad item (recorded first) and 4 spoken ones
+            process.kill()
+            break
+        time.sleep(0.01)
+    process.join(TIMEOUT)
+    assert process.exitcode == -signal.SIGKILL, "the job ended before it could be killed"
+    first = records_in(parts[0])
+    killed = {record["id"] for record in first if record["status"] == "done"}
+    assert 4 <= len(killed) < 15 and not (tmp_path / "out" / "results.jsonl").exists()
+
+    missing = sorted({f"item{index:02d}" for index in range(16)} - killed - {BAD_ITEM})
+    (tmp_path / "out" / f".{missing[0]}.wav.0123456789ab.tmp").write_bytes(b"RIFF")  # as a kill mid-write leaves it
+    summary = run_manifest(*model, manifest, tmp_path / "out", batch_size=BATCH, chunk_bytes=CHUNK_BYTES,
+                           show_progress=False, max_new_tokens=FRAMES)
+    assert (summary.done, summary.skipped, summary.failed) == (15 - len(killed), len(killed), 1)
+    made_now = {key for key, record in results(tmp_path / "out").items()
+                if record["status"] == "done" and record["run"] != first[0]["run"]}
+    assert made_now == set(missing)
+    assert files(tmp_path / "out") == files(out)
+    assert not [path for path in (tmp_path / "out").iterdir() if path.name.endswith(".tmp")]
+
+
+def test_text_files_speakers_and_seeds_from_the_item(tmp_path):
+    """`text_file` is read relative to the manifest, `speaker` tags untagged text, an item's seed depends on its id
+    (and the base seed), not on its line; the plan batches by length and never mixes settings."""
+    (tmp_path / "texts").mkdir()
+    (tmp_path / "texts" / "a.txt").write_text("Read from a file, a rather long line.", encoding="utf-8")
+    lines = [{"id": "a", "text_file": "texts/a.txt", "speaker": 2}, {"id": "b", "text": "<|speaker:1|> Tagged."},
+             {"id": "c", "text": "Hi.", "greedy": True}, {"id": "d", "text": "Hello there."}]
+    manifest = tmp_path / "jobs.jsonl"
+    manifest.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    reversed_manifest = tmp_path / "reversed.jsonl"
+    reversed_manifest.write_text("".join(json.dumps(line) + "\n" for line in lines[::-1]))
+    items = read_manifest(manifest)
+    assert [item.seed for item in items] == [item.seed for item in read_manifest(reversed_manifest)][::-1]
+    assert items[0].seed != read_manifest(manifest, base_seed=1)[0].seed
+    assert items[2].settings == {"do_sample": False}
+    plan = plan_job(items, tmp_path / "out", Drama3Processor.from_pretrained(GOLDEN_TINY), batch_size=2)
+    assert plan.prepared[0][1] == ["<|speaker:2|> Read from a file, a rather long line."]
+    assert plan.prepared[1][1] == ["<|speaker:1|> Tagged."]
+    assert plan.batches == [[2], [1, 3], [0]]  # by length, c alone (greedy): "Hi." < "Tagged." < "Hello there." < a
+
+
+@pytest.mark.parametrize("line, message", [
+    ("{not json", "line 2: not valid JSON"),
+    ('["a list"]', "line 2: each line must be a JSON object"),
+    ('{"id": "x", "text": "Hi.", "colour": "red"}', "line 2: unknown field(s) ['colour']"),
+    ('{"id": "a", "text": "Hi."}', "line 2: id 'a' is used on line 1 too"),
+    ('{"id": "../up", "text": "Hi."}', "line 2: id must be 1-128 letters"),
+    ('{"id": "x"}', "line 2: give exactly one of text and text_file"),
+    ('{"id": "x", "text": "Hi.", "text_file": "t.txt"}', "line 2: give exactly one of text and text_file"),
+    ('{"id": "x", "text": "Hi.", "format": "mp4"}', "line 2: format must be one of"),
+    ('{"id": "x", "text": "Hi.", "speaker": 16}', "line 2: speaker must be 0..15"),
+    ('{"id": "x", "text": "Hi.", "seed": -1}', "line 2: seed must be in [0, 2**63)"),
+    ('{"id": "x", "text": "Hi.", "temperature": "hot"}', "line 2: temperature must be a number"),
+    ('{"id": "x", "text": "Hi.", "top_p": 2}', "line 2: top_p"),
+    ('{"id": "x", "text": "Hi.", "references": [{"audio": "a.wav"}]}', "line 2: references must be a list"),
+])
+def test_manifest_errors_name_the_line(tmp_path, line, message):
+    path = tmp_path / "jobs.jsonl"
+    path.write_text('{"id": "a", "text": "Hello."}\n' + line + "\n")
+    with pytest.raises(ManifestError) as error:
+        read_manifest(path)
+    assert f"jobs.jsonl {message}" in str(error.value)
+
+
+def test_the_cli_refuses_a_bad_manifest_before_loading_the_model(tmp_path, monkeypatch, capsys):
+    """Before the checkpoint is even looked for (a Hub id would be downloaded): here one that does not exist."""
+    (tmp_path / "jobs.jsonl").write_text('{"id": "a", "text": "Hello.", "top_k": 1.5}\n')
+    monkeypatch.setattr(cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
+    status = cli.main(["--model", str(tmp_path / "missing"), "--manifest", str(tmp_path / "jobs.jsonl"),
+                       "--output-dir", str(tmp_path / "o")])
+    assert status == 1 and "jobs.jsonl line 1: top_k must be an integer" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--manifest", "j.jsonl"], "--manifest JOBS.jsonl and --output-dir DIR go together"),
+    (["--manifest", "j.jsonl", "--output-dir", "o", "Hello."], "leave out TEXT"),
+    (["--manifest", "j.jsonl", "--output-dir", "o", "--batch-size", "0"], "--batch-size must be at least 1"),
+])
+def test_manifest_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--tiny", *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err

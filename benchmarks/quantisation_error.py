@@ -74,8 +74,8 @@ def codec_error(path, prompt) -> str:
     codec = FishOmniForSpeech.from_pretrained(path, dtype=torch.float32, quantization_config=DEQUANTISED).codec
     codes = prompt[0, :, 1:][prompt[0, :, 0] >= 421].T[None]  # [1, NCB, audio rows]: the semantic band starts at 421
     with torch.no_grad():
-        reference = codec.decode(codes)
-        ours = codec.to(torch.bfloat16).decode(codes).float()
+        reference = codec.decode(codes).audio_values
+        ours = codec.to(torch.bfloat16).decode(codes).audio_values.float()
     return f"{((ours - reference).norm() / reference.norm()).item():.4f}"
 
 

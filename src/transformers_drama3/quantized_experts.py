@@ -24,7 +24,6 @@ is less work than one copy per pair: the layer's experts are then dequantised wh
 from __future__ import annotations
 
 import math
-import bitsandbytes as bnb
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -164,15 +163,18 @@ class Bnb4bitSelectedExperts(QuantizedExperts):
 
     def __init__(self, config, quant_type: str = "fp4", compress_statistics: bool = True,
                  quant_storage: torch.dtype = torch.uint8, blocksize: int = BLOCKSIZE):
+        import bitsandbytes as bnb  # the [quant] extra: only 4-bit experts need it
         super().__init__(config)
         for name in PROJECTIONS:
             setattr(self, name, bnb.nn.Params4bit(
                 torch.empty(self.shape(name)), requires_grad=False, blocksize=blocksize,
                 compress_statistics=compress_statistics, quant_type=quant_type, quant_storage=quant_storage))
 
-    def quantized_parameter(self, name: str, weight: torch.Tensor) -> bnb.nn.Params4bit:
+    def quantized_parameter(self, name: str, weight: torch.Tensor) -> torch.nn.Parameter:
         """`weight [E, out, in]` (full precision, as the loader made it) quantised with this module's settings for
         `name` (`quantize_experts_4bit`)."""
+        import bitsandbytes as bnb  # the [quant] extra: only 4-bit experts need it
+
         settings = getattr(self, name)
         packed, state = quantize_experts_4bit(weight, settings.quant_type, settings.compress_statistics,
                                               settings.quant_storage, settings.blocksize)
@@ -181,6 +183,8 @@ class Bnb4bitSelectedExperts(QuantizedExperts):
                                  quant_storage=settings.quant_storage, bnb_quantized=True)
 
     def dequantized(self, name, expert_ids, dtype):
+        import bitsandbytes as bnb  # the [quant] extra: only 4-bit experts need it
+
         parameter = getattr(self, name)
         state = parameter.quant_state
         shape = self.shape(name)
@@ -211,11 +215,13 @@ def freeze_quantized_experts(model: nn.Module) -> None:
 
 
 def quantize_experts_4bit(weight: torch.Tensor, quant_type: str, compress_statistics: bool,
-                          quant_storage: torch.dtype, blocksize: int) -> tuple[torch.Tensor, "bnb.functional.QuantState"]:
+                          quant_storage: torch.dtype, blocksize: int) -> tuple:
     """bitsandbytes' `quantize_4bit` of the fused `weight [E, out, in]`, one expert at a time: the same packed bytes
     and block statistics (no block crosses an expert), with one expert's temporaries instead of the layer's
     (bitsandbytes' CPU quantisation of a whole 537M-weight layer peaked at several times its size). Double
     quantisation is then applied to all the block scales at once, as `quantize_4bit` does it."""
+    import bitsandbytes as bnb  # the [quant] extra
+
     pieces = [bnb.functional.quantize_4bit(expert, blocksize=blocksize, compress_statistics=False, quant_type=quant_type,
                                            quant_storage=quant_storage) for expert in weight]
     packed = torch.cat([data for data, _ in pieces])  # [E * out * in / 2, 1]

@@ -6,6 +6,8 @@ Only the package's public names are used, so the benchmarks that time `generate`
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 
 import torch
 
@@ -54,6 +56,19 @@ def model_config(name: str, layers: int | None = None) -> FishOmniConfig:
         text.layer_types = text.layer_types[:layers]
         text.num_hidden_layers = len(text.layer_types)
     return config
+
+
+def served_checkpoint(name: str) -> str:
+    """A checkpoint directory for the server benchmarks: `tiny`, the embedded tiny checkpoint; `small`, the `small`
+    backbone and tower written once (into the temp directory) with the tiny codec and tokenizer."""
+    from transformers_drama3.testing import default_tiny_checkpoint, write_tiny_checkpoint
+
+    if name == "tiny":
+        return default_tiny_checkpoint()
+    path = os.path.join(tempfile.gettempdir(), "transformers-drama3-serve-benchmark-small")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        write_tiny_checkpoint(path, **SMALL_CONFIG)
+    return path
 
 
 @contextlib.contextmanager

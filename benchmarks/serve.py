@@ -26,17 +26,15 @@ import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import httpx
 import torch
 
-from configs import SMALL_CONFIG
+from configs import served_checkpoint
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.thread import ServerThread
-from transformers_drama3.testing import default_tiny_checkpoint, write_tiny_checkpoint
 
 SAMPLE_BYTES = 2  # 16-bit PCM
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Did you hear that?", "Good morning, everyone.",
@@ -62,12 +60,7 @@ def parse_args() -> argparse.Namespace:
 def checkpoint(args: argparse.Namespace) -> str:
     if args.checkpoint:
         return args.checkpoint
-    if args.config == "tiny":
-        return default_tiny_checkpoint()
-    path = os.path.join(tempfile.gettempdir(), "transformers-drama3-serve-benchmark-small")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        write_tiny_checkpoint(path, **SMALL_CONFIG)
-    return path
+    return served_checkpoint(args.config)
 
 
 async def one_request(client: httpx.AsyncClient, text: str, frames: int) -> dict:

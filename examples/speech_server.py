@@ -7,32 +7,22 @@ Needs `pip install "transformers-drama3[serve]" openai`. Without `--url` a serve
 checkpoint runs in a background thread (`ServerThread`); it speaks noise. docs/serving.md describes the API.
 """
 
-import argparse
 import contextlib
 import time
 
 import openai
 
-from transformers_drama3.serving import ServerSettings
-from transformers_drama3.testing import default_tiny_checkpoint
+from example_setup import server_parser, server_url
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", help="a running drama3-serve (default: start a tiny one here)")
-    parser.add_argument("--api-key", default="none", help="the server's --api-key, if it has one")
-    parser.add_argument("--model", default="drama3-tiny", help="the served model id (GET /v1/models)")
+    parser = server_parser(__doc__)
     parser.add_argument("--text", default="<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did.")
     args = parser.parse_args()
 
     with contextlib.ExitStack() as stack:
-        url = args.url
-        if url is None:
-            from transformers_drama3.serving.thread import ServerThread
-
-            settings = ServerSettings(model=default_tiny_checkpoint(), model_name=args.model)
-            url = stack.enter_context(ServerThread(settings)).url
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key)
+        url = server_url(stack, args)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=args.api_key or "none")
         extra = {"seed": 0, "max_new_tokens": 48}  # Drama 3 fields, sent along with OpenAI's
 
         speech = client.audio.speech.create(model=args.model, voice="default", input=args.text,

@@ -316,3 +316,61 @@ def test_positions_past_the_context_limit(tmp_path):
 def test_unknown_keyword(golden_model):
     with pytest.raises(TypeError, match="unexpected arguments"):
         golden_model(torch.zeros(1, 2, 11, dtype=torch.long), temprature=0.5)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host reads
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def package_host_reads(function) -> int:
+    """How many times this package's code reads a tensor's value back to the host while `function` runs (on a GPU
+    each read waits for the device). Reads by transformers' backbone (its mask builders, the eager experts loop) are
+    not counted."""
+    import traceback
+
+    count = 0
+    originals = {name: getattr(torch.Tensor, name) for name in ("__bool__", "item", "tolist", "__int__", "__float__")}
+
+    def counting(original):
+        def read(self, *args, **kwargs):
+            nonlocal count
+            count += "transformers_drama3" in traceback.extract_stack(limit=2)[0].filename
+            return original(self, *args, **kwargs)
+        return read
+
+    try:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, counting(original))
+        function()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return count
+
+
+def test_forward_reads_its_inputs_back_once(golden_model, expected):
+    """Every value check of input rows, mask and labels is read back in one host sync, before the pass; the pass
+    itself (prefill or training step) reads nothing back."""
+    rows = expected["tf_rows"][None, :12].expand(2, -1, -1).clone()
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, :3], rows[1, :3] = 0, 0
+    with torch.no_grad():
+        assert package_host_reads(lambda: golden_model(rows, mask, use_cache=True, logits_to_keep=1)) == 1
+        assert package_host_reads(lambda: golden_model(rows, mask, labels=rows)) == 1
+
+
+def test_bad_labels_are_refused_before_the_pass(golden_model, expected, monkeypatch):
+    rows = expected["tf_rows"][None, -12:]  # audio rows
+    monkeypatch.setattr(golden_model, "run_backbone", lambda *args, **kwargs: pytest.fail("the pass ran"))
+    labels = rows.clone()
+    labels[0, 3, 0] = 10_000
+    with pytest.raises(ValueError, match=r"labels\[0, 3, 0\] = 10000: label main ids must lie in the text vocabulary"):
+        golden_model(rows, labels=labels)
+    labels = rows.clone()
+    audio_row = int(golden_model.is_audio_row(rows[0, 1:, 0]).nonzero()[0, 0]) + 1  # a row the loss counts
+    labels[0, audio_row, 4] = 64
+    with pytest.raises(ValueError, match="labels have codes outside"):
+        golden_model(rows, labels=labels)
+    with pytest.raises(ValueError, match="shape of input_ids"):
+        golden_model(rows, labels=rows[:, :5])

@@ -38,6 +38,8 @@ _PUBLIC = {
     "FishOmniConfig": "configuration_drama3",
     "FishOmniForSpeech": "modeling_drama3",
     "FishOmniPreTrainedModel": "modeling_drama3",
+    "PromptCache": "prompt_cache",
+    "PromptCacheStore": "prompt_cache",
     "execution_device": "device_placement",
     "split_text": "chunking",
     "synthesize": "synthesis",

@@ -144,9 +144,18 @@ def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[s
     return [" ".join(chunk) for chunk in chunks]
 
 
+def complete_sentences_end(text: str) -> int:
+    """Where the complete sentences of text that is still being written end (0 if none is complete yet): after the
+    last sentence end that more text follows (a "." at the very end may still become "3.5" or "..."), never inside
+    `<|...|>`, `[cues]` or `<tag>...</tag>` spans. Used to speak text sentence by sentence as it arrives."""
+    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    ends = [match.end() for match in _SENTENCE_END.finditer(text) if match.end() < len(text)]
+    return max((end for end in ends if not inside(end)), default=0)
+
+
 def _fits(pieces: list[str], max_bytes: int, max_speakers: int) -> bool:
     speakers = {SPEAKER_TAG.match(piece).group(0) for piece in pieces}
     return len(speakers) <= max_speakers and _utf8_length(" ".join(pieces)) <= max_bytes
 
 
-__all__ = ["MIN_CHUNK_BYTES", "split_text"]
+__all__ = ["MIN_CHUNK_BYTES", "complete_sentences_end", "split_text"]

@@ -13,8 +13,8 @@ graph and replayed (`cuda_graphs.py`) on a GPU.
 
 Attention reads a window of the cache rows (`attention_window`: 256 rows doubled until the rows in use fit), so a
 step costs about what the request uses, with a handful of distinct shapes. A state's capacity is the largest window
-it has needed: it starts small and grows (`FrameState.grown`) as a request gets longer, so memory follows the rows
-actually generated, never the `max_new_tokens` a caller asks for.
+it has needed: it starts small and, as a request gets longer, its sequences move into a bigger state
+(`FrameState.load_from`), so memory follows the rows actually generated, never the `max_new_tokens` a caller asks for.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import nn
 from transformers import StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
@@ -141,10 +140,9 @@ class FrameState:
         self.candidates = model.main_candidate_ids(head_device)  # [V + 1]
         num_candidates = self.candidates.numel()
         hidden_size = config.text_config.hidden_size
-        # The V + 1 candidate rows of lm_head, copied into one weight at every request (`load_prefill`): the head's
-        # other ~248k rows are never read. A quantised or offloaded lm_head runs whole through `main_logits`.
-        plain_head = type(model.lm_head) is nn.Linear and not model.lm_head.weight.is_meta
-        self.head_weight = model.lm_head.weight.new_empty(num_candidates, hidden_size) if plain_head else None
+        # The V + 1 candidate rows of lm_head, copied again at every request (`load_prefill`): the head's other ~248k
+        # rows are never read. None for a quantised or offloaded lm_head, which runs whole in `model.main_logits`.
+        self.head_weight = model.candidate_head_weight(self.candidates)  # [V + 1, D]
 
         self.cache = StaticCache(config=config.text_config, max_cache_len=capacity)
         for index, layer in enumerate(self.cache.layers):  # full attention: windowed; linear attention: as built
@@ -220,7 +218,7 @@ class FrameState:
             zeros, slots,
         )
         if self.head_weight is not None:  # refreshed every request: the weights may have changed in place
-            self.head_weight.copy_(model.lm_head.weight.index_select(0, self.candidates))
+            self.head_weight.copy_(model.candidate_head_weight(self.candidates))
 
     def load_from(self, other: FrameState, keep: torch.Tensor) -> None:
         """Take the sequences `keep` `[n]` (n <= batch) of another state, in that order."""
@@ -237,9 +235,7 @@ class FrameState:
 
     def main_logits(self) -> torch.Tensor:
         """Main-token logits `[b, V + 1]` (float32) of the last hidden states."""
-        if self.head_weight is not None:
-            return nn.functional.linear(self.hidden, self.head_weight).float()
-        return self.model.main_logits(self.hidden, self.candidates).float()
+        return self.model.main_logits(self.hidden, self.candidates, self.head_weight).float()
 
     def step(self, sampler: FrameSampler, visible: int, main_logits_hook: MainLogitsHook | None = None) -> None:
         """One frame for every sequence of the state, in place: writes `new_rows`, advances every buffer.
@@ -288,12 +284,6 @@ class FrameState:
         self.hidden.copy_(hidden[:, 0])
         self.row.copy_(new_rows)
         self.slot.add_(1)
-
-    def grown(self, capacity: int) -> FrameState:
-        """A state with room for `capacity` rows holding this state's sequences (padding rows included)."""
-        bigger = FrameState(self.model, self.batch, capacity, self.ras_window, self.cache, self.scores is not None)
-        bigger.load_from(self, torch.arange(self.batch, device=self.slot.device))
-        return bigger
 
 
 __all__ = ["FrameState", "WindowedStaticLayer", "attention_window", "row_limit", "step_mask"]

@@ -26,9 +26,10 @@ from transformers.utils import ModelOutput, logging
 from . import compat
 from .cuda_graphs import StepGraphs
 from .device_placement import execution_device
+from .frame_rows import left_pad_rows, padded_on_the_right
 from .frame_step import FrameState, attention_window, row_limit
 from .parallel import check_fast_decode_allowed, shared_seed
-from .processing_drama3 import left_pad_rows
+from .prompt_cache import PromptCache, prefill
 from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
@@ -149,7 +150,7 @@ def generation_settings(
         raise TypeError(
             f"generate() got unknown or unsupported arguments {unknown}; Drama 3 generation accepts "
             f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, "
-            "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress)"
+            "logits_processor, stopping_criteria, streamer, seed, generator, output_audio, show_progress, prompt_cache)"
         )
     check_settings({**settings.to_dict(), **kwargs})
     settings.update(**kwargs)
@@ -256,13 +257,6 @@ def check_cuda_graphs(model) -> None:
             f"mask; {attention!r} unpads rows on the host. Load with attn_implementation='sdpa' (or use "
             "fast_decode=False)"
         )
-
-
-def padded_on_the_right(attention_mask: torch.Tensor) -> bool:
-    """Whether a 0/1 mask `[B, T]` has padding only on the right of some sequence (ones, then zeros)."""
-    mask = attention_mask.bool()
-    ones_then_zeros = ~(mask[:, 1:] & ~mask[:, :-1]).any(-1)  # no 0 -> 1 step
-    return bool((ones_then_zeros & ~mask[:, -1] & mask.any(-1)).any() and ones_then_zeros.all())
 
 
 def request_generators(seed, generator, batch: int, device: torch.device):
@@ -506,6 +500,7 @@ class Drama3GenerationMixin(GenerationMixin):
         generator: torch.Generator | list[torch.Generator] | None = None,
         output_audio: bool = True,
         show_progress: bool = False,
+        prompt_cache: PromptCache | None = None,
         **kwargs,
     ) -> Drama3GenerateOutput | torch.LongTensor:
         """Generate speech frames (and their audio) for a batch of left-padded prompts.
@@ -521,7 +516,9 @@ class Drama3GenerationMixin(GenerationMixin):
         `stopping_criteria` (a `StoppingCriteriaList`) is called after each frame with the rows including it and
         that frame's candidate logits, and a sequence it marks ends with finish reason `"stop"`. `streamer` gets
         `put(codes [B, NCB])` per frame (-1 rows for sequences without a frame) and `end()`. `fast_decode=True`
-        replays the frame step as a CUDA graph on a CUDA device (docs/usage.md). Returns a `Drama3GenerateOutput`
+        replays the frame step as a CUDA graph on a CUDA device (docs/usage.md). `prompt_cache` (a `PromptCache` of
+        the prompt's first rows, prompt_cache.py) starts the prefill from a copy of its caches instead of recomputing
+        those rows. Returns a `Drama3GenerateOutput`
         (or only `sequences` with `return_dict_in_generate=False`).
         """
         settings = generation_settings(self.generation_config, generation_config, **kwargs)
@@ -534,20 +531,17 @@ class Drama3GenerationMixin(GenerationMixin):
             # moves to the left, as all-zero rows; padding inside a sequence is refused below.
             if attention_mask.shape == input_ids.shape[:2] and padded_on_the_right(attention_mask):
                 input_ids, attention_mask = left_pad_rows(input_ids, attention_mask)
-        self.check_frames(input_ids)
+        attention_mask, _ = self.checked_inputs(input_ids, attention_mask)  # before any work; one host read
         batch = input_ids.shape[0]
         input_ids = input_ids.to(self.input_device, torch.long)
-        if isinstance(attention_mask, torch.Tensor):
-            attention_mask = attention_mask.to(self.input_device)
-        attention_mask = self._full_attention_mask(attention_mask, batch, 0, input_ids.shape[1], input_ids.device)
         seed = shared_seed(self, seed, generator)  # split over ranks: every rank draws the same noise
         generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
         if settings.fast_decode:
             check_fast_decode_allowed(self)
             check_cuda_graphs(self)
 
-        prefill = self(input_ids, attention_mask, use_cache=True, logits_to_keep=1)
-        loop = FrameLoop(self, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
+        prefilled = prefill(self, input_ids, attention_mask, prompt_cache)
+        loop = FrameLoop(self, settings, prefilled, input_ids, attention_mask, generators, streamer, logits_processor,
                          stopping_criteria)
         try:
             with tqdm(total=loop.frames, unit="frame", disable=not show_progress, leave=False) as bar:

@@ -34,6 +34,7 @@ from transformers.utils import logging
 from .audio_io import audio_file_header, check_audio_layout, check_sampling_rate, read_audio_file, write_audio
 from .chunking import split_text
 from .codes import check_codes
+from .frame_rows import left_pad_rows  # noqa: F401  (its home is frame_rows.py; imported from here before)
 from .speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE, tag_text, tag_transcript
 from .voice import Drama3Voice
 
@@ -226,17 +227,32 @@ class Drama3Processor(ProcessorMixin):
             raise ValueError(f"references{at}[{audio[0]}]: turning reference audio into codes {NO_CODEC}; or give "
                              "precomputed 'codes' or a saved Drama3Voice instead of audio")
 
-    def _prompt_rows(self, text: str, references: list, history: list, index: int | None) -> torch.Tensor:
-        """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
-        at = "" if index is None else f"[{index}]"
-        parts = [self._resolve_reference(ref, f"references{at}[{n}]") for n, ref in enumerate(references)]
-        turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
+    def reference_prefix_rows(self, references: Any) -> torch.Tensor:
+        """The first rows `[P, 1 + num_codebooks]` of every prompt with these references first: the system start,
+        the instruction and each reference's transcript and codes (pieces 1, 2 and 2a of docs/format.md, "Prompt
+        layout"). Nothing request-specific comes before them, so their model caches can be computed once and reused
+        (`PromptCache`). Audio references are encoded with the processor's codec."""
+        references = self._as_list(references)
+        for n, reference in enumerate(references):
+            self.check_reference(reference, f"references[{n}]")
+        parts = [self._resolve_reference(ref, f"references[{n}]") for n, ref in enumerate(references)]
+        return self._reference_block_rows(parts, "")
+
+    def _reference_block_rows(self, parts: list[tuple[str, torch.Tensor]], at: str) -> torch.Tensor:
+        """Rows of prompt pieces 1, 2 and 2a for resolved references `(transcript, codes)`."""
         instruction = REFERENCE_INSTRUCTION if parts else INSTRUCTION
         rows = [self._literal_rows(SYSTEM_START), self._literal_rows(instruction)]
         for n, (transcript, codes) in enumerate(parts):
             segment = _reference_segment(n + 1, tag_transcript(transcript))
             rows += [self._caller_rows(segment, f"references{at}[{n}].transcript"), self._audio_rows(codes)]
-        rows.append(self._literal_rows(TURN_END))
+        return torch.cat(rows)
+
+    def _prompt_rows(self, text: str, references: list, history: list, index: int | None) -> torch.Tensor:
+        """Rows `[T, 1 + K]` of one checked request; `index` is its place in a batch (None for a single text)."""
+        at = "" if index is None else f"[{index}]"
+        parts = [self._resolve_reference(ref, f"references{at}[{n}]") for n, ref in enumerate(references)]
+        turns = [self._resolve_history_turn(turn, f"history{at}[{n}]") for n, turn in enumerate(history)]
+        rows = [self._reference_block_rows(parts, at), self._literal_rows(TURN_END)]
         for n, (turn_text, codes) in enumerate(turns):
             rows += [self._literal_rows(USER_START), self._caller_rows(tag_text(turn_text), f"history{at}[{n}] text")]
             rows += [self._literal_rows(TURN_END), self._literal_rows(VOICE_START), self._audio_rows(codes)]
@@ -558,20 +574,6 @@ class Drama3Processor(ProcessorMixin):
         to [-1, 1]. The file appears complete or not at all; an existing file is replaced only on success.
         """
         return write_audio(path, audio, self.sampling_rate if sampling_rate is None else sampling_rate)
-
-
-def left_pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of frame rows padded on either side with any pad values -> the processor's layout: each sequence's
-    rows at the end, all-zero pad rows in front (`input_ids [B, T, 1 + K]`, `attention_mask [B, T]`).
-
-    transformers' pipeline collator pads a batch on its tokenizer's side and fills pad rows with the tokenizer's pad
-    id in every column; Drama 3's generation reads left-padded batches with all-zero pad rows.
-    """
-    mask = attention_mask.bool()  # [B, T]
-    order = torch.sort(mask.to(torch.int8), dim=-1, stable=True).indices  # pad rows first, each group in order
-    rows = input_ids.gather(1, order[..., None].expand_as(input_ids))  # [B, T, 1 + K]
-    mask = mask.gather(1, order)
-    return rows * mask[..., None], mask.to(attention_mask.dtype)
 
 
 def _excerpt(text: str, start: int) -> str:

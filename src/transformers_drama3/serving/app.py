@@ -4,7 +4,9 @@
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
     GET, PUT, DELETE /v1/voices/{name}   one voice: its details, replace (or create) it, delete it
-    GET  /health            200 when the model is loaded, 503 while it loads (never needs the API key)
+    POST /v1/audio/speech/batch   several speech requests in one call, answered with base64 audio in JSON
+    WS   /v1/audio/speech/stream  text in as it is written, speech out sentence by sentence (text_stream.py)
+    GET  /health            200 when the model is loaded, 503 while it loads or drains (never needs the API key)
     GET  /metrics           request and batching counters
 
 The model loads in the background after the server starts, so `/health` answers during a long load. Every request
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import json
 import logging
 import secrets
@@ -24,7 +27,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -40,8 +43,9 @@ from .audio_encoding import (
 )
 from .errors import APIError, body_too_large, install_error_handlers
 from .reference_audio import decode_base64_audio, read_audio_bytes
-from .schemas import SpeechRequest
+from .schemas import BatchSpeechRequest, SpeechRequest
 from .settings import ServerSettings
+from .text_stream import SpeechStreamSession
 from .voices import VoiceLibrary
 from .worker import GenerationWorker, JobDone, SpeechJob
 
@@ -73,7 +77,8 @@ class SpeechService:
         processor.max_reference_seconds = settings.max_reference_seconds
         step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
         worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
-                                  step_options=step_options, log_text=settings.log_text)
+                                  step_options=step_options, log_text=settings.log_text,
+                                  prompt_cache_bytes=int(settings.prompt_cache_mb * 2**20))
         return cls(model, processor, worker)
 
 
@@ -112,8 +117,12 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     install_error_handlers(app, settings.max_body_bytes)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
+    app.state.draining = False  # set by `start_draining` (SIGTERM): new requests get 503, running ones finish
 
     def ready() -> SpeechService:
+        if app.state.draining:
+            raise APIError(503, "the server is shutting down: send the request to another replica or retry later",
+                           code="draining", headers={"Retry-After": "5"})
         if app.state.service is None:
             if app.state.load_error:
                 raise APIError(503, f"the model failed to load: {app.state.load_error}", code="model_unavailable")
@@ -123,6 +132,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if app.state.draining:
+            return JSONResponse({"status": "draining", "model": settings.model_name}, 503)
         if app.state.service is not None:
             return JSONResponse({"status": "ok", "model": settings.model_name})
         status = "failed" if app.state.load_error else "loading"
@@ -203,7 +214,84 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
                    "X-Sample-Rate": str(service.model.config.sampling_rate)}
         return await respond(job, body, spec, request, headers, service.model.config.sampling_rate)
 
+    @app.post("/v1/audio/speech/batch")
+    async def speech_batch(body: BatchSpeechRequest, request: Request) -> JSONResponse:
+        service = ready()
+        loop = asyncio.get_running_loop()
+        bodies = [batch_item(body, index) for index, item in enumerate(body.items)]
+        specs = [check_response_format(item.response_format, "audio") for item in bodies]
+        jobs = [await asyncio.to_thread(make_job, item, service, settings, voices, loop) for item in bodies]
+        try:
+            for job in jobs:
+                service.worker.submit(job)
+            results = await asyncio.gather(*(batch_result(job, item, spec, request, service.model.config.sampling_rate)
+                                             for job, item, spec in zip(jobs, bodies, specs)))
+        finally:
+            for job in jobs:
+                job.cancel()  # no effect on finished jobs; frees the rest if the client left or one was refused
+        data = [{"index": index, **result} for index, result in enumerate(results)]
+        return JSONResponse({"object": "list", "model": settings.model_name, "data": data})
+
+    def batch_item(body: BatchSpeechRequest, index: int) -> SpeechRequest:
+        item = body.items[index]
+        if item.stream_format != "audio":
+            raise APIError(400, "items of a batch cannot stream: leave stream_format out (audio comes back as base64 "
+                           "in the JSON response)", f"items[{index}].stream_format", "unsupported_value")
+        fields = item.model_dump(exclude_unset=True)
+        fields["model"], fields["response_format"] = item.model or body.model, item.response_format or body.response_format
+        return SpeechRequest.model_validate(fields)
+
+    @app.websocket("/v1/audio/speech/stream")
+    async def speech_stream(websocket: WebSocket) -> None:
+        def open_service() -> SpeechService:
+            return ready()
+
+        async def new_job(body: SpeechRequest) -> SpeechJob:
+            return await asyncio.to_thread(make_job, body, open_service(), settings, voices, asyncio.get_running_loop())
+
+        def submit(job: SpeechJob) -> None:
+            open_service().worker.submit(job)
+
+        service = app.state.service
+        rate = service.model.config.sampling_rate if service is not None else 0
+        session = SpeechStreamSession(websocket, new_job, submit, lambda: app.state.draining, settings.max_text_chars,
+                                      rate)
+        await session.run()
+
     return app
+
+
+def start_draining(app: FastAPI) -> None:
+    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on."""
+    app.state.draining = True
+    logger.info("draining: new requests are refused, running requests finish")
+
+
+def drained(app: FastAPI) -> bool:
+    """Whether a draining server has no request left waiting or running."""
+    service = app.state.service
+    return service is None or service.worker.idle
+
+
+async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request,
+                       sampling_rate: int) -> dict:
+    """One item of a batch response: its audio file as base64, or its error (the other items go on)."""
+    events = []
+    while not events or not isinstance(events[-1], (JobDone, APIError)):
+        events.append(await next_event(job, request))
+    if isinstance(events[-1], APIError):
+        return {"id": job.request_id, "error": events[-1].body()["error"]}
+    audio = torch.cat([torch.zeros(0), *events[:-1]])  # [samples]
+    if body.response_format == "pcm":
+        data = pcm16(audio)
+    else:  # a complete file: a WAV with its real sizes, not the streamed header
+        file_spec = spec if spec.file_format else dataclasses.replace(spec, file_format="WAV", subtype="PCM_16")
+        data = await asyncio.to_thread(encode_audio_file, audio, sampling_rate, file_spec)
+    done = events[-1]
+    return {"id": job.request_id, "seed": job.seed, "response_format": body.response_format,
+            "media_type": spec.media_type, "audio": base64.b64encode(data).decode("ascii"),
+            "usage": {"input_tokens": done.prompt_rows, "output_tokens": done.frames,
+                      "total_tokens": done.prompt_rows + done.frames}}
 
 
 def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettings, voices: VoiceLibrary,
@@ -376,6 +464,12 @@ class RequestGuard:
             if error is not None:
                 return await error.response()(scope, receive, send)
             receive = self.limited(receive)
+        elif scope["type"] == "websocket":  # the key only: a WebSocket has no request body
+            headers = dict(scope["headers"])
+            error = self.refusal(scope["path"], headers.get(b"authorization", b"").decode("latin-1"), "")
+            if error is not None:
+                await receive()  # websocket.connect
+                return await send({"type": "websocket.close", "code": 1008, "reason": error.message[:120]})
         await self.app(scope, receive, send)
 
     def limited(self, receive):
@@ -407,4 +501,4 @@ class RequestGuard:
         return None
 
 
-__all__ = ["RequestGuard", "SpeechService", "create_app"]
+__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "start_draining"]

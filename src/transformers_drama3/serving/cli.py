@@ -4,7 +4,8 @@
     drama3-serve --model fishaudio/drama-3 --host 0.0.0.0 --port 8000 --voices voices/ --max-batch 16
 
 The server starts at once and loads the model in the background (`GET /health` is 503 until it is ready); if the
-model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts).
+model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts);
+SIGTERM drains it first: new requests get 503 while running ones finish (--drain-seconds).
 docs/serving.md describes the API.
 """
 
@@ -81,6 +82,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help=f"long input is spoken in chunks of at most this many UTF-8 bytes "
                         f"(default {DEFAULTS.chunk_bytes})")
 
+    limits.add_argument("--prompt-cache-mb", type=float, default=DEFAULTS.prompt_cache_mb,
+                        help="memory for the cached prompt prefixes of saved voices, computed once per voice and "
+                        f"reused by its requests (least recently used evicted; 0: off; default {DEFAULTS.prompt_cache_mb:g})")
+    limits.add_argument("--drain-seconds", type=float, default=DEFAULTS.drain_seconds,
+                        help="on SIGTERM, refuse new requests (503) and let running ones finish for at most this long "
+                        f"before stopping (0: stop at once; default {DEFAULTS.drain_seconds:g})")
+
     logs = parser.add_argument_group("logging")
     logs.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     logs.add_argument("--log-text", action="store_true", help="log the text of each request (default: its length)")
@@ -94,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from .app import create_app
+        from .draining import DrainingServer
     except ImportError as error:
         print(f"drama3-serve: error: {error.name} is missing; install the server with "
               '\'pip install "transformers-drama3[serve]"\'', file=sys.stderr)
@@ -106,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
             batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, max_text_chars=args.max_text_chars,
             max_reference_seconds=args.max_reference_seconds, max_body_bytes=args.max_body_bytes,
             max_frames=args.max_frames, chunk_bytes=args.chunk_bytes, fast_decode=args.fast_decode,
-            compile_step=args.compile_step, log_text=args.log_text,
+            compile_step=args.compile_step, log_text=args.log_text, prompt_cache_mb=args.prompt_cache_mb,
+            drain_seconds=args.drain_seconds,
         )
         failed = []
 
@@ -118,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as error:
         print(f"drama3-serve: error: {error}", file=sys.stderr)
         return 1
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    server = DrainingServer(config, drain_seconds=args.drain_seconds)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl+C

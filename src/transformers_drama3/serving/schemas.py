@@ -52,3 +52,21 @@ class SpeechRequest(BaseModel):
     @property
     def voice_name(self) -> str:
         return self.voice.id if isinstance(self.voice, VoiceID) else self.voice
+
+
+class BatchSpeechItem(SpeechRequest):
+    """One input of `POST /v1/audio/speech/batch`: the fields of a speech request; `model` and `response_format`
+    default to the batch's."""
+
+    model: str | None = None
+    response_format: str | None = None
+
+
+class BatchSpeechRequest(BaseModel):
+    """The body of `POST /v1/audio/speech/batch`: several speech requests answered in one JSON response."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    items: list[BatchSpeechItem] = Field(min_length=1, description="the inputs, each a speech request's fields")
+    response_format: str = Field("wav", description="the audio format of every item that does not set its own")

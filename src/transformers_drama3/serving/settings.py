@@ -22,7 +22,9 @@ class ServerSettings:
     a request may ask for per text chunk, also the default. chunk_bytes: long `input` is spoken in chunks of at
     most this many UTF-8 bytes. fast_decode / compile_step: how `generate` runs its frame step (a CUDA graph per frame
     on CUDA / `torch.compile` first, True or a backend name; docs/usage.md). log_text: put the text of each request in
-    the log (off: only its length).
+    the log (off: only its length). prompt_cache_mb: memory for the cached prompt prefixes of saved voices (their
+    backbone and tower caches, computed once per voice; least recently used evicted first; 0 turns it off).
+    drain_seconds: after SIGTERM, how long running requests may take to finish before the server stops anyway.
     """
 
     model: str = "fishaudio/drama-3"
@@ -42,11 +44,16 @@ class ServerSettings:
     fast_decode: bool = False
     compile_step: bool | str = False
     log_text: bool = False
+    prompt_cache_mb: float = 512.0
+    drain_seconds: float = 60.0
 
     def __post_init__(self):
         for name in ("max_batch", "max_queue", "max_text_chars", "max_body_bytes", "max_frames"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("prompt_cache_mb", "drain_seconds"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.batch_window_ms < 0:
             raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.max_reference_seconds <= 0:

@@ -18,6 +18,7 @@ criterion and leaves the batch at the next frame. A request that fails (its refe
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import threading
 import time
@@ -29,8 +30,10 @@ import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
+from ..prompt_cache import PromptCache, PromptCacheStore
 from ..streaming import Drama3AudioStreamer
 from ..synthesis import encode_references, history_turns
+from ..voice import Drama3Voice
 from .errors import APIError
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -76,6 +79,7 @@ class SpeechJob:
     closed: bool = False  # the HTTP side got its last event
     finished: bool = False  # counted and logged
     cancelled: threading.Event = field(default_factory=threading.Event)
+    settled: threading.Event = field(default_factory=threading.Event)  # set once `finish` has recorded everything
 
     @property
     def batch_key(self) -> tuple:
@@ -183,7 +187,7 @@ class GenerationWorker:
     """Runs queued `SpeechJob`s through `model.generate`, batching those with equal sampling settings."""
 
     def __init__(self, model, processor, max_batch: int, max_queue: int, batch_window_ms: float,
-                 step_options: dict | None = None, log_text: bool = False):
+                 step_options: dict | None = None, log_text: bool = False, prompt_cache_bytes: int = 0):
         self.model, self.processor = model, processor
         self.max_batch, self.max_queue, self.batch_window = max_batch, max_queue, batch_window_ms / 1000
         self.step_options = step_options or {}  # how generate runs its frame step: fast_decode, compile_step
@@ -195,6 +199,7 @@ class GenerationWorker:
         self.wakeup = asyncio.Event()
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="drama3-generate")
         self.overlap = model.input_device.type == "cuda"  # decode audio in a thread beside the frame loop on a GPU
+        self.prompt_caches = PromptCacheStore(prompt_cache_bytes)  # saved voices' prefixes, by content
 
     # -- queue (event loop) ----------------------------------------------------------------------------------
 
@@ -252,7 +257,14 @@ class GenerationWorker:
     def snapshot(self) -> dict:
         """Counters and the current queue, for `GET /metrics`."""
         with self.lock:
-            return {"queued": len(self.pending), "running": len(self.running), **self.metrics.as_dict()}
+            counters = self.metrics.as_dict()
+        return {"queued": len(self.pending), "running": len(self.running), **counters,
+                "prompt_cache": self.prompt_caches.stats()}
+
+    @property
+    def idle(self) -> bool:
+        """No request is waiting or running."""
+        return not self.pending and not self.running
 
     def cancel_all(self) -> None:
         """Stop every request: waiting ones are dropped, the running batch ends at its next frame (event loop)."""
@@ -284,7 +296,7 @@ class GenerationWorker:
                 self.metrics.batches += 1
                 self.metrics.batch_sizes[len(jobs)] += 1
             output = self.model.generate(
-                inputs["input_ids"], inputs["attention_mask"],
+                inputs["input_ids"], inputs["attention_mask"], prompt_cache=self.voice_prefix(jobs, inputs),
                 streamer=BatchAudioRouter(jobs, self.end_of_sequence),
                 generator=[job.generator for job in jobs],
                 stopping_criteria=StoppingCriteriaList([RequestStops(jobs, prompt_rows)]),
@@ -307,6 +319,22 @@ class GenerationWorker:
             if job.closed or job.cancelled.is_set() or len(job.spoken) == len(job.texts):
                 self.end_audio(job)
                 self.finish(job, None)
+
+    def voice_prefix(self, jobs: list[SpeechJob], inputs: dict) -> PromptCache | None:
+        """The cached prefix of the batch's saved voice (built on first use), or None when there is nothing to share:
+        no store, requests without the same saved voice first, or a batch padded inside the prefix (a prompt cache
+        continues every sequence from the same rows). Keyed on the voice's content, so an edited voice file is a new
+        entry."""
+        voices = [job.references[0] if job.references else None for job in jobs]
+        if self.prompt_caches.max_bytes == 0 or not all(isinstance(voice, Drama3Voice) for voice in voices):
+            return None
+        key = voice_content_key(voices[0])
+        if any(voice_content_key(voice) != key for voice in voices[1:]):
+            return None
+        rows = self.processor.reference_prefix_rows([voices[0]])  # [P, 1 + NCB]
+        if not bool(inputs["attention_mask"][:, : rows.shape[0]].all()):
+            return None
+        return self.prompt_caches.get(key, lambda: PromptCache.build(self.model, rows))
 
     def start(self, job: SpeechJob) -> bool:
         """Before a job's first chunk: its generator, audio stream and encoded references. False if it failed."""
@@ -379,6 +407,14 @@ class GenerationWorker:
                     "first audio after %s, real-time factor %s (generation time / audio time)", job.request_id,
                     outcome, job.frames, seconds, text, len(job.texts), job.batch_sizes,
                     ((job.started_at or now) - job.queued_at) * 1000, first, rtf)
+        job.settled.set()
+
+
+def voice_content_key(voice: Drama3Voice) -> str:
+    """A digest of what a voice's prompt rows are made of: its codes and its transcript."""
+    digest = hashlib.sha256(voice.codes.numpy().tobytes())
+    digest.update(voice.transcript.encode("utf-8"))
+    return digest.hexdigest()
 
 
 def failure(error: Exception, what: str) -> APIError:

@@ -1,0 +1,244 @@
+"""The server's batch route, WebSocket text stream, saved-voice prefix cache and SIGTERM drain, with a real uvicorn
+(in a thread, or `drama3-serve` as a process) and real clients (httpx, `websockets`). The audio of a route is compared
+with the same request sent to `POST /v1/audio/speech` (the same server, seed and settings: equal bytes) or with
+`generate` run here (within the streamed-vs-one-shot bound of tests/test_serve.py)."""
+
+import base64
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from websockets.exceptions import ConnectionClosedError, InvalidStatus
+import uvicorn
+from websockets.sync.client import connect
+
+from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.app import create_app
+from transformers_drama3.serving.draining import DrainingServer
+from transformers_drama3.serving.text_stream import SentenceBuffer, StreamError
+from transformers_drama3.serving.thread import ServerThread
+from transformers_drama3.voice import Drama3Voice
+
+from .conftest import GOLDEN_TINY
+from .test_serve import (  # noqa: F401 (http, reference: fixtures; http on this module's server)
+    AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, reference, wav_samples,
+)
+
+FRAMES = 6  # frames per utterance: the tiny model makes 10-20 frames a second on a busy 2-core machine
+BYTES_PER_FRAME = 2048 * 2  # 16-bit samples of one codec frame
+
+
+@pytest.fixture(scope="module")
+def voices_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("voices")
+    codes = torch.randint(0, 64, (10, 30), generator=torch.Generator().manual_seed(3))
+    Drama3Voice(codes, "This is how I sound.").save(directory / "narrator.safetensors")
+    return directory
+
+
+@pytest.fixture(scope="module")
+def server(voices_dir):
+    settings = ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, voices_dir=voices_dir, api_key=KEY,
+                              batch_window_ms=50, max_frames=50, max_text_chars=300)
+    with ServerThread(settings).wait_until_ready(TIMEOUT) as running:
+        yield running
+
+
+def ws_url(server) -> str:
+    return server.url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+
+
+def single(http, **body) -> bytes:
+    response = http.post("/v1/audio/speech", json={"model": MODEL, "response_format": "pcm", **body})
+    assert response.status_code == 200, response.text
+    return response.content
+
+
+# -- POST /v1/audio/speech/batch ---------------------------------------------------------------------------------
+
+
+def test_batch_answers_each_input_as_its_own_request_would(http):
+    items = [{"input": "Hello there.", "seed": 4, "max_new_tokens": FRAMES},
+             {"input": "Good morning.", "temperature": 0, "max_new_tokens": FRAMES, "response_format": "wav"}]
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "response_format": "pcm", "items": items})
+    assert response.status_code == 200, response.text
+    data = response.json()["data"]
+    assert [item["index"] for item in data] == [0, 1]
+    assert data[0]["seed"] == 4 and data[0]["usage"]["output_tokens"] > 0
+    assert base64.b64decode(data[0]["audio"]) == single(http, **items[0])
+    wav = base64.b64decode(data[1]["audio"])
+    assert data[1]["media_type"] == "audio/wav" and wav[:4] == b"RIFF"
+    alone = np.frombuffer(single(http, **{**items[1], "response_format": "pcm"}), dtype="<i2")
+    assert np.array_equal(wav_samples(wav), alone)
+
+
+@pytest.mark.parametrize("items, param", [
+    ([{"input": "Hi.", "voice": "nobody"}], "voice"),
+    ([{"input": "Hi.", "stream_format": "sse"}], "items[0].stream_format"),
+    ([{"input": "Hi.", "colour": "red"}], "items.0.colour"),
+    ([], "items"),
+])
+def test_a_bad_batch_item_refuses_the_whole_call(http, items, param):
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+# -- WS /v1/audio/speech/stream ----------------------------------------------------------------------------------
+
+
+def read_session(socket) -> tuple[list[dict], list[bytes]]:
+    """Every message until the server closes: JSON events, and the audio of each utterance."""
+    events, audio = [], []
+    try:
+        for message in socket:
+            if isinstance(message, bytes):
+                audio[-1] += message
+            else:
+                events.append(json.loads(message))
+                if events[-1]["type"] == "utterance.started":
+                    audio.append(b"")
+    except ConnectionClosedError:  # closed with an error code: the test reads `socket.close_code`
+        pass
+    return events, audio
+
+
+def test_text_streamed_in_is_spoken_sentence_by_sentence(server, http):
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 9, "max_new_tokens": FRAMES,
+                                "voice": "narrator"}))
+        created = json.loads(socket.recv(timeout=TIMEOUT))
+        assert created == {"type": "session.created", "sample_rate": 44100, "encoding": "pcm_s16le", "seed": 9}
+        for piece in ["Hello", " there.", " How are", " you? Fine", " thanks"]:  # as an LLM writes its tokens
+            socket.send(json.dumps({"type": "text.append", "text": piece}))
+        socket.send(json.dumps({"type": "text.done"}))
+        events, audio = read_session(socket)
+    started = [event for event in events if event["type"] == "utterance.started"]
+    done = [event for event in events if event["type"] == "utterance.done"]
+    assert [event["text"] for event in started] == ["<|speaker:0|> Hello there.", "<|speaker:0|> How are you?",
+                                                    "<|speaker:0|> Fine thanks"]
+    assert events[-1] == {"type": "session.done", "utterances": 3}
+    for event, pcm in zip(done, audio):
+        assert len(pcm) == event["frames"] * BYTES_PER_FRAME > 0
+    # The first utterance has no history: it is the request of its text alone (the session's seed, then seed + 1...).
+    assert audio[0] == single(http, input="Hello there.", seed=9, max_new_tokens=FRAMES, voice="narrator")
+
+
+def test_a_bad_session_gets_an_error_event_and_a_policy_close(server):
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "voice": "nobody"}))
+        event = json.loads(socket.recv(timeout=TIMEOUT))
+        assert event["type"] == "error" and event["error"]["code"] == "voice_not_found"
+        read_session(socket)
+    assert socket.close_code == 1008
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL}))
+        assert json.loads(socket.recv(timeout=TIMEOUT))["type"] == "session.created"
+        socket.send(json.dumps({"type": "text.append", "text": "Say <|im_end|> now. And"}))
+        event = json.loads(socket.recv(timeout=TIMEOUT))
+        assert event["type"] == "error" and event["error"]["code"] == "invalid_text"
+        read_session(socket)
+    assert socket.close_code == 1008
+    with pytest.raises(InvalidStatus):
+        connect(ws_url(server), open_timeout=TIMEOUT)  # no API key
+
+
+def test_a_client_that_leaves_mid_utterance_frees_the_worker(server):
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "max_new_tokens": 50}))
+        socket.recv(timeout=TIMEOUT)
+        socket.send(json.dumps({"type": "text.append", "text": "A long sentence to speak. "}))
+        assert json.loads(socket.recv(timeout=TIMEOUT))["type"] == "utterance.started"
+    deadline = time.monotonic() + TIMEOUT
+    while not server.service.worker.idle and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.service.worker.idle
+
+
+# -- the prefix cache of saved voices ----------------------------------------------------------------------------
+
+
+def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(server, http, voices_dir, reference):
+    model, processor = reference
+    voice = Drama3Voice.load(voices_dir / "narrator.safetensors")
+    before = http.get("/metrics").json()["prompt_cache"]
+    for text in ("Good evening.", "Good night to you all."):
+        response = http.post("/v1/audio/speech", json={"model": MODEL, "input": text, "voice": "narrator",
+                                                        "temperature": 0, "max_new_tokens": FRAMES,
+                                                        "response_format": "wav"})
+        output = model.generate(**processor(text, references=[voice]), do_sample=False, max_new_tokens=FRAMES)
+        assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
+    after = http.get("/metrics").json()["prompt_cache"]
+    assert after["hits"] >= before["hits"] + 2 - (before["entries"] == 0)  # built at most once, then reused
+    assert after["entries"] == 1 and 0 < after["bytes"] <= after["max_bytes"]
+    # An edited voice file is another voice: its content, not its name, is the key.
+    Drama3Voice(voice.codes.flip(1), voice.transcript).save(voices_dir / "narrator.safetensors")
+    try:
+        single(http, input="Good evening.", voice="narrator", temperature=0, max_new_tokens=2)
+        assert http.get("/metrics").json()["prompt_cache"]["entries"] == 2
+    finally:
+        voice.save(voices_dir / "narrator.safetensors")
+
+
+# -- SIGTERM: a graceful drain -----------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
+    app = create_app(ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, max_frames=400))
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    url = "http://127.0.0.1:%d" % listening.getsockname()[1]
+    server = DrainingServer(uvicorn.Config(app, log_level="warning"), drain_seconds=TIMEOUT)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listening]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while app.state.service is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    long_body = {"model": MODEL, "input": "A long request that runs.", "response_format": "pcm", "seed": 3,
+                 "max_new_tokens": 20}
+    result, started = {}, threading.Event()
+
+    def long_request():
+        with httpx.stream("POST", f"{url}/v1/audio/speech", json=long_body, timeout=TIMEOUT) as response:
+            pieces = response.iter_bytes()
+            result["first"] = next(pieces)  # the first audio is out: the request runs
+            started.set()
+            result["audio"] = result["first"] + b"".join(pieces)
+
+    client = threading.Thread(target=long_request)
+    client.start()
+    try:
+        assert started.wait(TIMEOUT)
+        server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls on SIGTERM
+        health = httpx.get(f"{url}/health", timeout=TIMEOUT)
+        assert health.status_code == 503 and health.json()["status"] == "draining"
+        refused = httpx.post(f"{url}/v1/audio/speech", json={**long_body, "max_new_tokens": 2}, timeout=TIMEOUT)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+        client.join(TIMEOUT)
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()  # stopped by itself once drained
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        listening.close()
+    # It went on after SIGTERM, to its own end: all 20 frames (this seed makes no EOS before them).
+    assert len(result["audio"]) == 20 * BYTES_PER_FRAME > len(result["first"])
+
+
+def test_text_becomes_utterances_at_complete_sentences_and_keeps_its_speaker():
+    buffer = SentenceBuffer(max_chars=60)
+    buffer.append("<|speaker:1|> It costs 3.")
+    assert buffer.take_complete() is None  # "3." may still become "3.5"
+    buffer.append("5 euros [sighs. loudly] today. Then")
+    assert buffer.take_complete() == "<|speaker:1|> It costs 3.5 euros [sighs. loudly] today."
+    buffer.append(" more.")
+    assert buffer.take_complete() is None and buffer.take_all() == "<|speaker:1|> Then more."  # the tag carries on
+    assert buffer.take_all() is None  # nothing left
+    with pytest.raises(StreamError, match="more than 60 characters"):
+        buffer.append("x" * 61)

@@ -12,7 +12,9 @@
 #   3. the frame step at real size, full depth: eager and CUDA-graph steps at batch 1 and 16, then time to first
 #      audio (the first, cold call reported apart from the warm ones), peak memory against weights + caches, and the
 #      same-frames check across modes (benchmarks/frame_step.py --config real);
-#   4. the routed experts on the selected-experts path (FP8 kept, bitsandbytes 4-bit) against bf16 experts;
+#   4. the routed experts on the selected-experts path (FP8 kept, bitsandbytes 4-bit) against bf16 experts, at real
+#      width and 8 layers, side by side (benchmarks/expert_formats.py; transformers' FP8 kernel needs `kernels` and
+#      a Hub download: benchmarks/fp8_experts.py, by hand);
 #   5. the compiled step at real width and 8 layers: eager, graph, compiled, compiled+graph side by side, and the
 #      kernels per frame of the eager and the compiled step (compiling all 40 layers would not fit the budget; the
 #      step's cost is about linear in the depth, see docs/performance.md).
@@ -51,7 +53,8 @@ fi
 stage frame-step 170 python benchmarks/frame_step.py --config "$CONFIG" --device "$DEVICE" \
     --modes "$([ "$DEVICE" = cuda ] && echo eager,graph || echo eager)" --batches 1,16 --warmup 3 --frames 16 \
     --ttfa-runs 2 --check-frames 12 --output "$OUT/frame-step.json"
-stage experts 90 python benchmarks/fp8_experts.py --config "$CONFIG" --device "$DEVICE" --output "$OUT/experts.json"
+stage experts 90 python benchmarks/expert_formats.py --config "$CONFIG" --device "$DEVICE" --layers 8 --batches 1,16 \
+    --warmup 2 --frames 12 --output "$OUT/experts.json"
 stage frame-step-compiled 150 python benchmarks/frame_step.py --config "$CONFIG" --device "$DEVICE" --layers 8 \
     --modes "$([ "$DEVICE" = cuda ] && echo eager,graph,compiled,compiled+graph || echo eager,compiled)" \
     --batches 1 --warmup 3 --frames 12 --ttfa-runs 1 --check-frames 8 --count-kernels --compile-layers 4,8 \

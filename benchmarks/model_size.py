@@ -29,14 +29,48 @@ FP8_BLOCK = 128 * 128  # one float32 weight_scale_inv per 128 x 128 block
 BNB_4BIT_BLOCK = 64  # one float32 absmax per 64 weights (no double quantisation)
 CODEC_BYTES_PER_PARAM = 4  # the codec stays float32
 
+BNB_NESTED_BLOCK = 256  # double quantisation: absmax in uint8, one float32 scale per 256 of them
+FOUR_BIT = 0.5 + 4 / BNB_4BIT_BLOCK  # 4-bit weight + float32 absmax per 64
+FOUR_BIT_DOUBLE = 0.5 + 1 / BNB_4BIT_BLOCK + 4 / (BNB_4BIT_BLOCK * BNB_NESTED_BLOCK)
+
 # (name, bytes per parameter of: routed experts, dense backbone linears, everything else but the codec)
 WEIGHT_SCHEMES = {
     "bf16 (FP8 experts dequantised)": (2, 2, 2),
-    "FP8 experts (FP8 GPU + `kernels`)": (1 + 4 / FP8_BLOCK, 2, 2),
+    "FP8 experts kept (any device; or transformers' kernel), rest bf16": (1 + 4 / FP8_BLOCK, 2, 2),
     "float32": (4, 4, 4),
-    "bnb 8-bit dense linears, bf16 rest": (2, 1, 2),  # + a float32 absmax per row, added below
-    "bnb 4-bit dense linears, bf16 rest": (2, 0.5 + 4 / BNB_4BIT_BLOCK, 2),
+    "bnb 8-bit dense linears, FP8 experts kept, bf16 rest": (1 + 4 / FP8_BLOCK, 1, 2),  # + a float32 scale per row, below
+    "bnb 4-bit dense linears and routed experts (fp4 or nf4), bf16 rest": (FOUR_BIT, FOUR_BIT, 2),
+    "bnb 4-bit with double quantisation, bf16 rest": (FOUR_BIT_DOUBLE, FOUR_BIT_DOUBLE, 2),
 }
+
+# The generation configurations of docs/hardware.md: (name, `from_pretrained` arguments, experts and dense bytes
+# per parameter, tower bytes per linear parameter, lm_head rows kept, codec bytes per parameter on the GPU).
+GPU_CONFIGURATIONS = [
+    ("24 GB: 4-bit as written", "quantization_config=BitsAndBytesConfig(load_in_4bit=True)",
+     FOUR_BIT, 2, None, 4),
+    ("24 GB: nf4 + double quant, tower 4-bit, candidate lm_head rows, codec bf16",
+     'quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", '
+     'bnb_4bit_use_double_quant=True, llm_int8_skip_modules=["lm_head"]), candidate_head_rows_only=True; '
+     "model.codec.to(torch.bfloat16)", FOUR_BIT_DOUBLE, FOUR_BIT_DOUBLE, "candidates", 2),
+    ("24 GB: the same, codec on the CPU", "... as above; model.codec.to('cpu')", FOUR_BIT_DOUBLE, FOUR_BIT_DOUBLE,
+     "candidates", 0),
+    ("48 GB: FP8 kept (the default)", "dtype=torch.bfloat16", 1 + 4 / FP8_BLOCK, 2, None, 4),
+    ("48 GB: FP8 kept, candidate lm_head rows, codec bf16", "candidate_head_rows_only=True; model.codec.to(torch.bfloat16)",
+     1 + 4 / FP8_BLOCK, 2, "candidates", 2),
+    ("80 GB: bf16", "quantization_config=BsgemmMoeConfig(dequantize=True)", 2, 2, None, 4),
+]
+
+
+def configuration_bytes(groups: Counter, config: FishOmniConfig, experts: float, tower_linear: float,
+                        head_rows, codec: float) -> float:
+    """GPU bytes of one `GPU_CONFIGURATIONS` entry: experts and dense linears at `experts`, the tower's linears at
+    `tower_linear` (its embeddings and norms bf16), lm_head whole or its V + 1 candidate rows (bf16), the rest bf16,
+    the codec at `codec` bytes per parameter (0: on another device)."""
+    head = groups["lm_head"] if head_rows is None else (config.codebook_size + 1) * config.text_config.hidden_size
+    tower = groups["tower_linears"] * tower_linear + (groups["tower"] - groups["tower_linears"]) * 2
+    dense = groups["dense_linears"] * (experts if experts < 1 else 2)
+    return (groups["routed_experts"] * experts + dense + groups["backbone_other"] * 2 + head * 2 + tower
+            + groups["codec"] * codec)
 
 
 def parameter_groups(model: FishOmniForSpeech) -> Counter:
@@ -44,10 +78,14 @@ def parameter_groups(model: FishOmniForSpeech) -> Counter:
     lm_head, tower, codec; plus `dense_linear_rows` (output rows of the dense linears, for int8 row scales)."""
     groups = Counter()
     linears = {name: module for name, module in model.backbone.named_modules() if isinstance(module, nn.Linear)}
+    tower_linears = {name for name, module in model.named_modules() if isinstance(module, nn.Linear)
+                     and name.startswith("tower.")}
     for name, parameter in model.named_parameters():
         top, _, rest = name.partition(".")
         if top != "backbone":
             groups[top] += parameter.numel()
+            if name.rpartition(".")[0] in tower_linears:
+                groups["tower_linears"] += parameter.numel()
         elif ".mlp.experts." in name:
             groups["routed_experts"] += parameter.numel()
         elif rest.rpartition(".")[0] in linears:
@@ -113,7 +151,7 @@ def main() -> None:
     with torch.device("meta"):
         model = FishOmniForSpeech(config)
     groups = parameter_groups(model)
-    total = sum(count for name, count in groups.items() if name != "dense_linear_rows")
+    total = sum(count for name, count in groups.items() if name not in ("dense_linear_rows", "tower_linears"))
     print("| part | parameters | share |\n| --- | --- | --- |")
     for name in ("routed_experts", "dense_linears", "backbone_other", "lm_head", "tower", "codec"):
         print(f"| {name} | {groups[name] / 1e9:.3f} B | {100 * groups[name] / total:.1f} % |")
@@ -123,6 +161,11 @@ def main() -> None:
     print("| weights loaded as | GB |\n| --- | --- |")
     for scheme, size in weights.items():
         print(f"| {scheme} | {size} |")
+    configurations = {name: round(configuration_bytes(groups, config, *sizes) / GB, 2)
+                      for name, _, *sizes in GPU_CONFIGURATIONS}
+    print("\n| configuration | GPU weights, GB | settings |\n| --- | --- | --- |")
+    for name, settings, *_ in GPU_CONFIGURATIONS:
+        print(f"| {name} | {configurations[name]} | `{settings}` |")
     state = {rows: round(request_state_bytes(config, rows) / GB, 3) for rows in (1024, 8192)}
     print(f"\nrequest caches (bf16): {state} GB for 1024 / 8192 rows\n")
 
@@ -135,7 +178,8 @@ def main() -> None:
         print(f"| {case} | {memory} | {splits[case]} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"parameters": dict(groups), "weights_gb": weights, "request_state_gb": state,
+            json.dump({"parameters": dict(groups), "weights_gb": weights, "configurations_gb": configurations,
+                       "request_state_gb": state,
                        "offload_gb": {case: {str(k): v for k, v in split.items()} for case, split in splits.items()}},
                       f, indent=2)
 

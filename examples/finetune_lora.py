@@ -23,6 +23,7 @@ from peft import get_peft_model
 from transformers import AutoModel, AutoProcessor, Trainer, TrainingArguments
 
 from example_setup import checkpoint_path, example_parser
+from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.training import (
     Drama3SpeechCollator,
     LORA_PRESETS,
@@ -81,8 +82,10 @@ def main() -> None:
     print(f"{len(split['train'])} training and {len(split['test'])} held-out examples")
 
     # 2. The model with LoRA adapters (the base weights stay frozen).
+    # The routed experts dequantised at load: adapters on them (the "experts" preset) need full-precision tensors.
     model = AutoModel.from_pretrained(path, dtype=torch.bfloat16 if gpu else torch.float32,
-                                      device_map="cuda" if gpu else None)
+                                      device_map="cuda" if gpu else None,
+                                      quantization_config=BsgemmMoeConfig(dequantize=True))
     processor = AutoProcessor.from_pretrained(path)
     model = get_peft_model(model, drama3_lora_config(args.preset, r=args.rank, lora_alpha=2 * args.rank))
     model.print_trainable_parameters()

@@ -73,8 +73,8 @@ def test_synthesis_on_the_embedded_checkpoint_writes_a_wav(tmp_path):
     frames = _frames(result.stderr)
     assert 1 <= frames <= 4 and info.frames == frames * 2048
     assert os.listdir(tmp_path) == ["hello.wav"]
-    # transformers' FP8 message said once, in our words; no GPU-kernel fallback notes on a CPU
-    assert result.stderr.count("FP8 routed experts are dequantised to float32") == 1
+    # the FP8 experts stay FP8 on a CPU (nothing to say about them); no GPU-kernel fallback notes on a CPU
+    assert "FP8" not in result.stderr
     assert "[transformers]" not in result.stderr and "falling back" not in result.stderr
 
 

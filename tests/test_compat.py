@@ -14,6 +14,7 @@ from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextM
 
 from transformers_drama3 import FishOmniConfig, FishOmniForSpeech, compat
 from transformers_drama3.configuration_drama3 import Drama3TowerConfig, FishDACConfig
+from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 
 from .conftest import GOLDEN_TINY
 
@@ -77,29 +78,54 @@ def test_cast_dequantised_weights_gives_every_weight_the_requested_dtype():
     model = mixed()
     compat.cast_dequantised_weights(model, _load_config(torch.float32))
     assert {p.dtype for p in model.parameters()} == {torch.float32}
-    for untouched in (_load_config(None), _load_config(torch.float32, dequantize=False),
-                      _load_config(torch.float32, pre_quantized=False), SimpleNamespace(hf_quantizer=None, dtype=None)):
+    for untouched in (_load_config(None), _load_config(torch.float32, pre_quantized=False),
+                      SimpleNamespace(hf_quantizer=None, dtype=None)):
         model = mixed()
         compat.cast_dequantised_weights(model, untouched)
         assert {p.dtype for p in model.parameters()} == {torch.float32, torch.bfloat16}
+    # FP8 experts kept as shipped: the other weights take the dtype, the FP8 bytes and their float32 scales stay.
+    model = mixed()
+    model.register_parameter("gate_up_proj", nn.Parameter(torch.zeros(2, 2, dtype=torch.float8_e4m3fn), requires_grad=False))
+    model.register_parameter("gate_up_proj_scale_inv", nn.Parameter(torch.ones(1, 1)))
+    compat.cast_dequantised_weights(model, _load_config(torch.bfloat16, dequantize=False))
+    assert {name: p.dtype for name, p in model.named_parameters() if "proj" in name} == {
+        "gate_up_proj": torch.float8_e4m3fn, "gate_up_proj_scale_inv": torch.float32}
+    assert model[0].weight.dtype == torch.bfloat16
 
 
 def test_the_dtype_shim_runs_exactly_where_transformers_needs_it(monkeypatch):
     """The golden FP8 checkpoint loaded in float32: every weight is float32 with the shim; without it, some weights
     stay in the checkpoint's bf16 exactly on the versions the shim says."""
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    dequantised = BsgemmMoeConfig(dequantize=True)
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, quantization_config=dequantised)
     assert {p.dtype for p in model.parameters()} == {torch.float32}
+    kept = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)  # FP8 experts kept: the rest float32
+    assert {p.dtype for p in kept.parameters()} == {torch.float32, torch.float8_e4m3fn}
     assert ("_load_pretrained_model" in vars(FishOmniForSpeech)) == compat.dequantised_weights_keep_checkpoint_dtype()
 
     monkeypatch.setattr(compat, "cast_dequantised_weights", lambda model, load_config: None)
-    unfixed = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    unfixed = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, quantization_config=dequantised)
     kept_bf16 = any(p.dtype == torch.bfloat16 for p in unfixed.parameters())
     assert kept_bf16 == compat.dequantised_weights_keep_checkpoint_dtype()
 
 
+def test_kept_fp8_experts_save_where_their_scales_keep_their_shape(tmp_path):
+    """Where the shim says so the save round trip is exact (tests/test_save_pretrained.py); elsewhere it is refused
+    before anything is written."""
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.bfloat16)
+    if compat.kept_fp8_scales_save_with_their_shape():
+        model.save_pretrained(tmp_path)
+        assert FishOmniForSpeech.from_pretrained(tmp_path).backbone.layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    else:
+        with pytest.raises(NotImplementedError, match="saving FP8 experts kept as shipped needs a newer transformers"):
+            model.save_pretrained(tmp_path)
+        assert not list(tmp_path.glob("*.safetensors"))
+
+
 def test_a_dequantised_model_keeps_no_loading_conversions(tmp_path):
     """Saving reverses the plain mapping only: the FP8 dequantisation is not undone (5.17 would fail on it)."""
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32,
+                                              quantization_config=BsgemmMoeConfig(dequantize=True))
     assert "_weight_conversions" not in vars(model)
     model.save_pretrained(tmp_path)  # raised "Undefined Operation encountered!" on 5.17 without the shim
 

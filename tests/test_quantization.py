@@ -1,5 +1,5 @@
-"""bitsandbytes 8-/4-bit on CPU over the bsgemm-moe checkpoint, both CPU 4-bit paths, the FP8 kernel fallback,
-quantization conflicts.
+"""bitsandbytes 8-/4-bit on CPU over the bsgemm-moe checkpoint (dense linears, and 4-bit routed experts), both CPU
+4-bit paths, generation against the full-precision copy, the FP8 kernel fallback, quantization conflicts.
 
 bitsandbytes' two CPU 4-bit paths: a `Linear4bit` reads `has_avx512bf16()` once, when it is built (the name
 `bitsandbytes.nn.modules.has_avx512bf16`; the native library answers with the CPU's AVX512-BF16 flag). With it,
@@ -39,10 +39,11 @@ from transformers_drama3.quantization_bsgemm import (
     prepare_quantization,
     skip_patterns,
 )
+from transformers_drama3.quantized_experts import Bnb4bitSelectedExperts, Fp8SelectedExperts, QuantizedExperts
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
-from .tolerances import unit_roundoff
+from .tolerances import codebook_logit_reductions, main_logit_reductions, reordering_tolerance, unit_roundoff
 
 pytestmark = pytest.mark.filterwarnings("ignore:MatMul8bitLt")  # bnb's note that fp32 inputs run as fp16
 
@@ -102,15 +103,43 @@ def _dequantised_4bit(parameter, shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 QUANTISATIONS = [pytest.param(BitsAndBytesConfig(load_in_8bit=True), None, id="8bit")] + [
-    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind), path, id=f"4bit-{kind}-{path}")
-    for kind in ("fp4", "nf4")
+    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double),
+                 path, id=f"4bit-{kind}{'-double' if double else ''}-{path}")
+    for kind, double in (("fp4", False), ("nf4", False))
     for path in FOUR_BIT_PATHS
 ]
 
 
+def _full_precision_copy(model, checkpoint):
+    """The same model with every quantised module replaced by its plain counterpart holding the quantised weights
+    dequantised in float32 (the arithmetic of bitsandbytes' CPU paths and of `quantized_experts`): an independent
+    formulation of what the quantised model computes. Built from a dequantising load of the same checkpoint."""
+    plain = FishOmniForSpeech.from_pretrained(checkpoint, dtype=torch.float32,
+                                              quantization_config=BsgemmMoeConfig(dequantize=True))
+    plain_modules = dict(plain.named_modules())
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, bnb.nn.Linear8bitLt):  # bitsandbytes' CPU 8-bit matmul: CB * (SCB / 127)
+                weight = module.weight.data.to(torch.float32).mul_(module.weight.SCB.unsqueeze(1).mul(1.0 / 127.0))
+                plain_modules[name].weight.copy_(weight)
+            elif isinstance(module, bnb.nn.Linear4bit):
+                state = module.weight.quant_state
+                assert not getattr(state, "packing_format_for_cpu", False), "copy before the first forward call"
+                plain_modules[name].weight.copy_(bnb.functional.dequantize_4bit(module.weight.data, state).float())
+            elif isinstance(module, QuantizedExperts):
+                for projection in ("gate_up_proj", "down_proj"):
+                    getattr(plain_modules[name], projection).copy_(module.dequantized(projection, None, torch.float32))
+    return plain
+
+
 @pytest.mark.parametrize(("config", "path"), QUANTISATIONS)
-def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, path, monkeypatch, checkpoint, reference,
-                                                                 expected):
+def test_bitsandbytes_quantises_the_dense_linears_and_the_routed_experts(config, path, monkeypatch, checkpoint,
+                                                                         reference, expected):
+    """8-bit: dense linears 8-bit, experts FP8 as shipped. 4-bit: dense linears and routed experts 4-bit, each weight
+    within its grid bound of the full-precision one. Then generation, against the full-precision copy of the
+    quantised model (`_full_precision_copy`): the same greedy frames, and main-token logits within float32 rounding
+    of another matmul order (`reordering_tolerance`); on the packed AVX512-BF16 path the 4-bit linears compute in
+    bf16, so the bound takes bf16's unit roundoff and the teacher-forced logits are compared."""
     if path is not None:  # 4-bit: the CPU path of the Linear4bit modules built by this load
         monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: path == "packed")
     model = _load(config, checkpoint)
@@ -131,6 +160,18 @@ def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, path, mo
         weight, bound = (_dequantised_8bit(module.weight) if eight_bit
                          else _dequantised_4bit(module.weight, original.shape))
         assert ((weight - original).abs() <= bound).all(), name
+    for layer, reference_layer in zip(model.backbone.layers, reference.backbone.layers):
+        experts, reference_experts = layer.mlp.experts, reference_layer.mlp.experts  # the reference keeps FP8
+        assert isinstance(experts, Fp8SelectedExperts if eight_bit else Bnb4bitSelectedExperts)
+        assert not any(parameter.requires_grad for parameter in experts.parameters())
+        for projection in ("gate_up_proj", "down_proj"):
+            original = reference_experts.dequantized(projection, None, torch.float32)
+            if eight_bit:
+                assert torch.equal(getattr(experts, projection).view(torch.uint8),
+                                   getattr(reference_experts, projection).view(torch.uint8))
+            else:
+                weight, bound = _dequantised_4bit(getattr(experts, projection), original.shape)
+                assert ((weight - original).abs() <= bound).all(), projection
     # Every 4-bit linear of the model takes the repacking the AVX512-BF16 kernel does at the first forward call
     # (plain torch, so it runs on any CPU; bitsandbytes asserts the shape there). On copies: the forward below must
     # see the untouched weights.
@@ -140,19 +181,74 @@ def test_bitsandbytes_quantises_the_dense_backbone_linears_only(config, path, mo
                 module.weight.data.clone(), copy.deepcopy(module.weight.quant_state)
             )
             assert packed.shape == (module.out_features, module.in_features // 2), name
-
-    # Full precision, bit-equal to the plain load: experts (dequantised FP8), tower, lm_head, codec.
-    for ours, theirs in ((model.backbone.layers[0].mlp.experts, reference.backbone.layers[0].mlp.experts),
-                         (model.tower, reference.tower), (model.lm_head, reference.lm_head), (model.codec, reference.codec)):
+    # Full precision, bit-equal to the plain load: tower, lm_head, codec.
+    for ours, theirs in ((model.tower, reference.tower), (model.lm_head, reference.lm_head), (model.codec, reference.codec)):
         assert all(torch.equal(a, b) for a, b in zip(ours.state_dict().values(), theirs.state_dict().values()))
 
+    plain = _full_precision_copy(model, checkpoint)
     prompt = expected["prompt_a_rows"][None, -12:]  # the prompt's end, up to `<|voice|>`: short, so fast
-    out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES)
-    assert out.sequences.shape[1] <= prompt.shape[1] + GREEDY_FRAMES
+    out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_scores=True)
     assert all(code.shape[0] == 10 and torch.isfinite(audio).all() for code, audio in zip(out.codes, out.audio))
     if not eight_bit:  # the forward calls took the chosen path
         packed = [getattr(module.weight.quant_state, "packing_format_for_cpu", False) for _, module in quantised]
         assert packed == [path == "packed"] * len(quantised)
+    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, path)
+
+
+def _int8_activation_tolerance(model, reference: torch.Tensor) -> dict:
+    """bitsandbytes' CPU 8-bit inference (LLM.int8) also rounds each linear's input rows to int8 (`absmax / 127`
+    steps, via float16): a relative error of at most 1/254 of the row scale per 8-bit linear, adding up to first
+    order along the path (the error model of tests/tolerances.py), bounded by all the model's 8-bit linears."""
+    linears = sum(isinstance(module, bnb.nn.Linear8bitLt) for module in model.modules())
+    return {"atol": linears / 254 * reference.abs().max().item(), "rtol": 0.0}
+
+
+def _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, path):
+    """4-bit (bitsandbytes dequantises the weight, then a float32 matmul): the copy gives the same greedy frames and
+    main-token logits within `reordering_tolerance`; on the packed AVX512-BF16 path (bf16 compute) and with 8-bit
+    linears (int8 activations) the teacher-forced logits of the generated frames are compared within bf16 rounding
+    and `_int8_activation_tolerance` respectively."""
+    rows = out.sequences.shape[1]
+    int8 = any(isinstance(module, bnb.nn.Linear8bitLt) for module in model.modules())
+    if path == "packed" or int8:
+        with torch.no_grad():
+            ours, theirs = model(out.sequences), plain(out.sequences)
+        compared = [("main_logits", main_logit_reductions(model.config, rows))]
+        if not int8:  # the int8 bound is first order: through the 13 tower layers' norms it does not hold
+            compared.append(("codebook_logits", codebook_logit_reductions(model.config, rows)))
+        for name, reductions in compared:
+            reference = getattr(theirs, name)
+            tolerance = (_int8_activation_tolerance(model, reference) if int8
+                         else reordering_tolerance(reference.bfloat16(), reductions))
+            torch.testing.assert_close(getattr(ours, name), reference, **tolerance)
+        return
+    theirs = plain.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_scores=True)
+    assert torch.equal(out.sequences, theirs.sequences)
+    for ours_scores, their_scores in zip(out.scores, theirs.scores):
+        torch.testing.assert_close(ours_scores, their_scores,
+                                   **reordering_tolerance(their_scores, main_logit_reductions(model.config, rows)))
+
+
+@pytest.mark.parametrize("config", [
+    pytest.param(BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"]), id="8bit-tower"),
+    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    llm_int8_skip_modules=["lm_head"]), id="4bit-24gb"),
+])
+def test_the_quantised_towers_of_docs_generate_what_their_full_precision_copy_computes(config, checkpoint, expected):
+    """The settings docs/hardware.md offers with the tower quantised too: the 8-bit tower (its int8 weights gave the
+    frame step's tower cache no floating dtype) and the 24 GB configuration (nf4 with double quantisation, the
+    tower 4-bit, only the candidate rows of lm_head)."""
+    candidate_rows = config.load_in_4bit
+    model, info = FishOmniForSpeech.from_pretrained(checkpoint, dtype=torch.float32, quantization_config=config,
+                                                    candidate_head_rows_only=candidate_rows, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert isinstance(model.tower.heads[0], bnb.nn.Linear8bitLt if config.load_in_8bit else bnb.nn.Linear4bit)
+    plain = _full_precision_copy(model, checkpoint)
+    if candidate_rows:
+        plain.keep_candidate_head_rows()
+    prompt = expected["prompt_a_rows"][None, -12:]
+    out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_scores=True)
+    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, "dequantising")
 
 
 def test_4bit_keeps_the_linears_the_packed_cpu_kernel_cannot_take_in_full_precision():
@@ -210,7 +306,8 @@ def test_prepare_quantization_leaves_the_callers_objects_alone():
 def test_forcing_dequantisation_is_accepted(reference, checkpoint):
     model = _load(BsgemmMoeConfig(dequantize=True), checkpoint)
     experts, reference_experts = model.backbone.layers[1].mlp.experts, reference.backbone.layers[1].mlp.experts
-    assert torch.equal(experts.down_proj, reference_experts.down_proj)
+    assert type(experts) is not Fp8SelectedExperts and isinstance(reference_experts, Fp8SelectedExperts)
+    assert torch.equal(experts.down_proj, reference_experts.dequantized("down_proj", None, torch.float32))
 
 
 def test_another_quantization_method_gives_transformers_conflict_error():
@@ -229,20 +326,20 @@ def fp8_capable_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: (9, 0))
 
 
-def test_missing_fp8_kernel_falls_back_to_dequantising_with_one_warning(fp8_capable_gpu, monkeypatch, caplog):
+def test_missing_fp8_kernel_keeps_the_experts_fp8_on_the_selected_path(fp8_capable_gpu, monkeypatch, caplog):
     monkeypatch.setattr("transformers_drama3.quantization_bsgemm.fp8_kernel_problem", lambda: "ImportError: no kernels")
     quantizer = BsgemmMoeHfQuantizer(BsgemmMoeConfig(), pre_quantized=True)
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         quantizer.validate_environment(device_map={"": 0})
-    assert quantizer.quantization_config.dequantize
-    assert "FP8 expert kernel is unavailable (ImportError: no kernels)" in caplog.text
+    assert not quantizer.quantization_config.dequantize and quantizer.selected_experts
+    assert "FP8 expert kernel is not used (ImportError: no kernels)" in caplog.text
 
 
 def test_available_fp8_kernel_keeps_the_experts_fp8(fp8_capable_gpu, monkeypatch):
     monkeypatch.setattr("transformers_drama3.quantization_bsgemm.fp8_kernel_problem", lambda: None)
     quantizer = BsgemmMoeHfQuantizer(BsgemmMoeConfig(), pre_quantized=True)
     quantizer.validate_environment(device_map={"": 0})
-    assert not quantizer.quantization_config.dequantize
+    assert not quantizer.quantization_config.dequantize and not quantizer.selected_experts
 
 
 def test_kernel_probe_reports_a_missing_kernels_package_instead_of_raising(monkeypatch):

@@ -1,7 +1,7 @@
 """`save_pretrained` round trips: what is written, and that `from_pretrained(saved)` (no flag) gives the same outputs.
 
 Tolerance: exact equality. The weights are written in the model's own dtype and read back without any conversion
-(the dequantised FP8 experts are saved dequantised), and the same computation runs on them.
+(dequantised FP8 experts are saved dequantised, kept ones as shipped), and the same computation runs on them.
 """
 
 import json
@@ -10,12 +10,16 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3 import FishOmniForSpeech, compat
 from transformers_drama3.codec_file import original_codec_key_shapes
 from transformers_drama3.codec_layout import FishDACLoadError, load_codec_state_dict, load_codec_weights
+from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
+
+
+DEQUANTISED = BsgemmMoeConfig(dequantize=True)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +52,8 @@ def _assert_same_outputs(model, reloaded, prompt):
     ids=["dequantised-fp8-float32", "dequantised-fp8-bfloat16", "bf16-checkpoint"],
 )
 def test_round_trip_gives_identical_outputs(source, dtype, plain_checkpoint, prompt, tmp_path):
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY if source == "fp8" else plain_checkpoint, dtype=dtype)
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY if source == "fp8" else plain_checkpoint, dtype=dtype,
+                                              quantization_config=DEQUANTISED if source == "fp8" else None)
     model.save_pretrained(tmp_path)
 
     config = json.loads((tmp_path / "config.json").read_text())
@@ -69,7 +74,7 @@ def test_round_trip_gives_identical_outputs(source, dtype, plain_checkpoint, pro
 
 
 def test_module_name_layout_loads_too(prompt, tmp_path):
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, quantization_config=DEQUANTISED)
     model.save_pretrained(tmp_path, save_original_format=False)
     assert "backbone.layers.0.mlp.experts.gate_up_proj" in _tensor_names(tmp_path)
     _assert_same_outputs(model, FishOmniForSpeech.from_pretrained(tmp_path), prompt)
@@ -77,20 +82,30 @@ def test_module_name_layout_loads_too(prompt, tmp_path):
 
 def test_an_offloaded_model_saves_what_it_computes_with(prompt, tmp_path):
     model = FishOmniForSpeech.from_pretrained(
-        GOLDEN_TINY, dtype=torch.float32, device_map={"": "disk"}, offload_folder=tmp_path / "offload"
+        GOLDEN_TINY, dtype=torch.float32, device_map={"": "disk"}, offload_folder=tmp_path / "offload",
+        quantization_config=DEQUANTISED,
     )
     with pytest.warns(UserWarning, match="offloaded modules"):
         model.save_pretrained(tmp_path / "saved")
     _assert_same_outputs(model, FishOmniForSpeech.from_pretrained(tmp_path / "saved"), prompt)
 
 
-def test_fp8_parameters_are_not_saved(tmp_path):
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
-    model.backbone.layers[0].mlp.experts.down_proj.data = model.backbone.layers[0].mlp.experts.down_proj.data.to(
-        torch.float8_e4m3fn
-    )
-    with pytest.raises(NotImplementedError, match="saving FP8 experts is not supported"):
-        model.save_pretrained(tmp_path)
+def test_fp8_experts_kept_as_shipped_are_saved_as_shipped(tmp_path, prompt):
+    """A model whose experts stayed FP8 writes them back in the checkpoint's own layout (one FP8 tensor and its
+    block scales per expert, `bsgemm-moe` in config.json), and loads back to the same bytes."""
+    if not compat.kept_fp8_scales_save_with_their_shape():
+        pytest.skip("this transformers refuses the save (tests/test_compat.py checks the refusal)")
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["quant_method"] == "bsgemm-moe"
+    original = json.loads((GOLDEN_TINY / "model.safetensors.index.json").read_text())["weight_map"]
+    names = _tensor_names(tmp_path)
+    assert set(names) == set(original)
+    assert {dtype for name, dtype in names.items() if ".mlp.experts." in name} == {"F8_E4M3", "F32"}
+    reloaded = FishOmniForSpeech.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+               for a, b in zip(model.state_dict().values(), reloaded.state_dict().values()))
+    _assert_same_outputs(model, reloaded, prompt)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,8 @@ Shims (transformers 5.17 -> newer, measured on 5.24):
   weights in the checkpoint's dtype -> they get the requested dtype.
 - `forget_loading_conversions`: a dequantised model keeps its loading conversions, which `save_pretrained` cannot
   reverse -> transformers drops them itself.
+- `kept_fp8_scales_save_with_their_shape`: saving FP8 experts kept as shipped loses a one-row scale's shape ->
+  exact (5.17 refuses that save).
 - `enable_activation_checkpointing`, `disable_activation_checkpointing`, `checkpointing_training_arguments`:
   `gradient_checkpointing*` only -> `activation_checkpointing*` (the old names warn).
 - `expert_parallel_by_size`, `expert_parallel_arguments`: `DistributedConfig(enable_expert_parallel=True)` ->
@@ -72,10 +74,9 @@ def dequantised_weights_keep_checkpoint_dtype() -> bool:
 
 
 def cast_dequantised_weights(model: Any, load_config: Any) -> None:
-    """After a load that dequantised a pre-quantised checkpoint, give every floating-point weight the requested dtype
-    (`load_config.dtype`; nothing to do without one). Needed where `dequantised_weights_keep_checkpoint_dtype()`.
-
-    After dequantisation no weight is quantised any more, so all of them take that dtype. It must run before
+    """After a load of a pre-quantised checkpoint (FP8 experts dequantised or kept), give every floating-point
+    weight the requested dtype (`load_config.dtype`; nothing to do without one), except kept FP8 experts and their
+    scales. Needed where `dequantised_weights_keep_checkpoint_dtype()`. It must run before
     accelerate dispatches the model, so that it also reaches weights that accelerate then keeps in RAM; weights
     already offloaded to disk (meta) were written with the right dtype by transformers. A tensor-parallel shard (a
     `DTensor`) becomes a new parameter (`.data =` would relabel its dtype without converting its local tensor), marked
@@ -83,14 +84,13 @@ def cast_dequantised_weights(model: Any, load_config: Any) -> None:
     loaded.
     """
     quantizer, dtype = load_config.hf_quantizer, load_config.dtype
-    dequantised = quantizer is not None and quantizer.pre_quantized and getattr(
-        quantizer.quantization_config, "dequantize", False
-    )
-    if not dequantised or dtype is None:
+    if quantizer is None or not quantizer.pre_quantized or dtype is None:
         return
     for name, parameter in list(model.named_parameters()):
         if not parameter.is_floating_point() or parameter.is_meta or parameter.dtype == dtype:
             continue
+        if parameter.dtype == torch.float8_e4m3fn or name.endswith("_scale_inv"):
+            continue  # FP8 experts kept as shipped (`quantized_experts.Fp8SelectedExperts`): bytes and float32 scales
         if isinstance(parameter, DTensor):
             converted = torch.nn.Parameter(parameter.detach().to(dtype), requires_grad=parameter.requires_grad)
             converted._is_hf_initialized = True
@@ -98,6 +98,15 @@ def cast_dequantised_weights(model: Any, load_config: Any) -> None:
             setattr(model.get_submodule(module_name), parameter_name, converted)
         else:
             parameter.data = parameter.data.to(dtype)
+
+
+@functools.cache
+def kept_fp8_scales_save_with_their_shape() -> bool:
+    """Whether `save_pretrained` of FP8 experts kept as shipped writes each expert's `weight_scale_inv` back with its
+    checkpoint shape `[rows / 128, cols / 128]`. transformers 5.17's reversed merge wrote `[cols / 128]` for a
+    one-block-row scale (the tiny checkpoints' `gate_proj`), which no longer loads; the loader rewrite that brought
+    `HfQuantizer.get_new_dtype` (5.24 here) reverses it exactly (tested bit for bit)."""
+    return not dequantised_weights_keep_checkpoint_dtype()
 
 
 def forget_loading_conversions(model: Any) -> None:
@@ -189,5 +198,6 @@ __all__ = [
     "expert_parallel_arguments",
     "expert_parallel_by_size",
     "forget_loading_conversions",
+    "kept_fp8_scales_save_with_their_shape",
     "sub_configs_declaration",
 ]

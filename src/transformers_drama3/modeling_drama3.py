@@ -2,7 +2,7 @@
 
 The backbone *is* transformers' `Qwen3_5MoeTextModel` (composed, not copied). `from_pretrained` reads the
 original `fishaudio/drama-3` layout: sharded safetensors with the original names (renamed by the registered
-conversion mapping, FP8 experts dequantised by the `bsgemm-moe` quantizer) and `codec.pth` (read with
+conversion mapping, FP8 experts kept or dequantised by the `bsgemm-moe` quantizer) and `codec.pth` (read with
 `weights_only=True`, see `codec_file`). Before any weight is read it checks the config (docs/format.md#config-rules),
 the safetensors headers and `codec.pth`.
 """
@@ -95,6 +95,19 @@ class FishOmniPreTrainedModel(PreTrainedModel):
             module.weight.normal_(0.0, self.config.text_config.initializer_range)
 
 
+class CandidateRowsHead(nn.Module):
+    """`lm_head` cut to the main-token candidates (`FishOmniForSpeech.keep_candidate_head_rows`): `weight [V + 1, D]`,
+    row 0 EOS then the semantic band, so its output is `main_logits` directly. The rest of the text vocabulary is
+    gone: such a model cannot be saved (`save_pretrained` refuses) and has no full-vocabulary logits."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=weight.requires_grad)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)  # [..., V + 1]
+
+
 class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
     """Drama 3 text-to-speech: frame rows in, main-token and codebook logits out (generation and audio build on it).
 
@@ -123,6 +136,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         """The V + 1 candidate rows of `lm_head`'s weight `[V + 1, D]` (a new tensor), or None for a quantised or
         offloaded `lm_head`, which has no plain weight to index. `candidates`: `main_candidate_ids`, when at hand."""
         weight = self.lm_head.weight
+        if isinstance(self.lm_head, CandidateRowsHead):  # `keep_candidate_head_rows`: the rows themselves
+            return weight.detach().clone()
         if type(self.lm_head) is not nn.Linear or weight.is_meta:
             return None
         candidates = self.main_candidate_ids(weight.device) if candidates is None else candidates
@@ -138,11 +153,29 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         Only the V + 1 candidate rows of `lm_head` are multiplied (the text vocabulary's other rows are never used);
         a quantised or offloaded `lm_head` runs whole and its candidate columns are kept.
         """
+        if head_weight is None and isinstance(self.lm_head, CandidateRowsHead):
+            return self.lm_head(hidden)  # already the candidate rows, in order
         head_weight = self.candidate_head_weight(candidates) if head_weight is None else head_weight
         if head_weight is not None:
             return F.linear(hidden, head_weight)
         candidates = self.main_candidate_ids(hidden.device) if candidates is None else candidates
         return self.lm_head(hidden).index_select(-1, candidates.to(hidden.device))
+
+    def keep_candidate_head_rows(self) -> None:
+        """Replace `lm_head` by its V + 1 main-token candidate rows (`CandidateRowsHead`): generation and the
+        teacher-forced `forward` read only those (`main_logits`), and the real model's head shrinks from 1.02 GB to
+        17 MB in bf16. `from_pretrained(..., candidate_head_rows_only=True)` does it right after loading."""
+        weight = self.lm_head.weight
+        if isinstance(self.lm_head, CandidateRowsHead):
+            return
+        if type(self.lm_head) is not nn.Linear or weight.is_meta:
+            raise ValueError(
+                "candidate_head_rows_only needs lm_head as a plain linear in memory, but it is "
+                f"{'offloaded' if weight.is_meta else type(self.lm_head).__name__}: keep lm_head out of quantisation "
+                "(llm_int8_skip_modules) and of offload (device_map), or load without candidate_head_rows_only"
+            )
+        rows = weight.detach().index_select(0, self.main_candidate_ids(weight.device)).clone()  # [V + 1, D]
+        self.lm_head = CandidateRowsHead(rows)
 
     def get_input_embeddings(self) -> nn.Embedding:
         """The backbone's token embedding (text ids and the main id of audio rows); peft and gradient checkpointing
@@ -484,8 +517,11 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
 
         Accepts every keyword of `PreTrainedModel.from_pretrained`: `dtype`; `device_map` (`"auto"` or a dict),
         `max_memory` and `offload_folder` for offloading; `quantization_config=BitsAndBytesConfig(...)` for 8-/4-bit
-        dense linears (tower and lm_head stay in full precision unless `llm_int8_skip_modules` says otherwise; the
-        FP8 experts are dequantised); `attn_implementation`; under `torchrun`, `tp_plan="auto"` or
+        dense linears (tower and lm_head stay in full precision unless `llm_int8_skip_modules` says otherwise; with
+        4-bit the routed experts are 4-bit too, with 8-bit they stay FP8) or `BsgemmMoeConfig(dequantize=True)` to
+        dequantise the FP8 experts while loading (they stay FP8 otherwise, see `quantization_bsgemm`);
+        `candidate_head_rows_only=True` to keep only the main-token candidate rows of lm_head
+        (`keep_candidate_head_rows`); `attn_implementation`; under `torchrun`, `tp_plan="auto"` or
         `distributed_config=parallel.distributed_config(...)` for tensor or expert parallelism
         (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec comes from
         `codec.pth`, whole, in float32 whatever `dtype` is, on the device where the model takes its inputs or the one
@@ -493,6 +529,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32 (`default_dtype`),
         elsewhere in the checkpoint's bfloat16. See docs/loading.md and docs/hardware.md.
         """
+        candidate_rows_only = kwargs.pop("candidate_head_rows_only", False)
         parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
         default_dtype(kwargs)
@@ -516,7 +553,10 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             )
 
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
-        attach_codec(loaded[0] if isinstance(loaded, tuple) else loaded, codec_state, codec_device)
+        model = loaded[0] if isinstance(loaded, tuple) else loaded
+        attach_codec(model, codec_state, codec_device)
+        if candidate_rows_only:
+            model.keep_candidate_head_rows()
         return loaded
 
     if compat.dequantised_weights_keep_checkpoint_dtype():
@@ -543,13 +583,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         (`codec_file.write_codec_file`). The tokenizer belongs to the processor: `processor.save_pretrained(...)`.
         `save_original_format=False` writes module names (`backbone.*`, fused experts) instead; that loads too.
         """
-        fp8 = [name for name, parameter in self.named_parameters() if parameter.dtype == torch.float8_e4m3fn]
-        if fp8:
-            raise NotImplementedError(
-                f"saving FP8 experts is not supported ({fp8[0]}, ...): load with "
-                "`quantization_config=BsgemmMoeConfig(dequantize=True)` to save a dequantised copy, or keep using the "
-                "original checkpoint"
-            )
+        if isinstance(self.lm_head, CandidateRowsHead):
+            raise ValueError("this model keeps only the candidate rows of lm_head (candidate_head_rows_only=True): "
+                             "a saved checkpoint needs the whole head; save from a model loaded without that option")
         state_dict = without_codec(self.state_dict() if state_dict is None else state_dict)
         super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
         if is_main_process:

@@ -164,7 +164,8 @@ def is_split(parameter_name: str, config, size: int, expert_parallel: bool) -> b
     For memory estimates (docs/hardware.md); the tests check it against the shards transformers actually makes.
     """
     text = config.text_config
-    generic = re.sub(r"\.\d+(?=\.|$)", ".*", parameter_name)
+    # FP8 experts kept as shipped: a block-scale tensor is split with its weight.
+    generic = re.sub(r"\.\d+(?=\.|$)", ".*", parameter_name).removesuffix("_scale_inv")
     module = generic.rpartition(".")[0]
     if expert_parallel:
         rules = expert_parallel_plan(text)

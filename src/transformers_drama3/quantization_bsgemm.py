@@ -3,17 +3,26 @@
 Only the routed experts are FP8 (`float8_e4m3fn` with float32 `weight_scale_inv` per 128 x 128 block), exactly the
 layout of transformers' fine-grained FP8 method. transformers silently ignores an unknown `quant_method` and would
 load the raw FP8 bytes as weights, so `register_bsgemm_moe()` runs on `import transformers_drama3`, before any
-load. Without an FP8-capable GPU the fine-grained FP8 quantizer dequantises to the model's dtype while loading:
-`W[i, j] = float(W8[i, j]) * weight_scale_inv[i // 128, j // 128]`, per expert, before the experts are fused.
-On an FP8-capable GPU the experts stay FP8 only if transformers' FP8 kernel (the `kernels` package and its Hub
-download) can be loaded; otherwise the quantizer dequantises, with one warning saying why.
+load. Where the experts go:
 
-A user's `BitsAndBytesConfig` (8-bit or 4-bit, dense linears only) is combined with a `bsgemm-moe` checkpoint by
-`prepare_quantization`: transformers accepts one quantization method per load and refuses a config of another
-class than the checkpoint's, so the load runs the bitsandbytes quantizer extended with the FP8 experts'
-dequantisation (`Bnb8BitWithFp8Experts` / `Bnb4BitWithFp8Experts`, registered under internal method names). The
-loaded model's config then says plain `bitsandbytes`. For 4-bit, linears that bitsandbytes' AVX512-BF16 CPU kernel
-cannot take are kept in full precision on every machine (`cpu_unpackable_4bit_linears`; docs/hardware.md).
+- FP8 kept as shipped (the default on a CPU, on a GPU without FP8 support, and wherever transformers' FP8 kernel
+  cannot be loaded: no `kernels` package, no Hub download): each layer's experts become a
+  `quantized_experts.Fp8SelectedExperts`, filled tensor by tensor from the shards (1 byte per weight plus the block
+  scales), which dequantises only the selected experts at each call.
+- transformers' own FP8 experts and kernel, on an FP8-capable GPU where `kernels` loads it (its speed against the
+  selected-experts path is not measured yet: no such GPU with Hub access was at hand).
+- Dequantised while loading, on request: `BsgemmMoeConfig(dequantize=True)`:
+  `W[i, j] = float(W8[i, j]) * weight_scale_inv[i // 128, j // 128]`, per expert, before the experts are fused.
+
+A user's `BitsAndBytesConfig` is combined with a `bsgemm-moe` checkpoint by `prepare_quantization`: transformers
+accepts one quantization method per load and refuses a config of another class than the checkpoint's, so the load
+runs the bitsandbytes quantizer extended for the routed experts (`Bnb8BitWithFp8Experts` /
+`Bnb4BitWithFp8Experts`, registered under internal method names). 8-bit: dense linears 8-bit, experts FP8 kept.
+4-bit: dense linears 4-bit and the experts 4-bit too (`quantized_experts.Bnb4bitSelectedExperts`): each fused expert
+tensor is dequantised from FP8 and quantised by bitsandbytes as it is read, so the full-precision model is never
+held. The loaded model's config then says plain `bitsandbytes`. For 4-bit, linears that bitsandbytes' AVX512-BF16
+CPU kernel cannot take are kept in full precision on every machine (`cpu_unpackable_4bit_linears`;
+docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import copy
 
 import torch
 from torch import nn
+from transformers.core_model_loading import ConversionOps
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -36,6 +46,13 @@ from transformers.utils import logging
 from transformers.utils.quantization_config import BitsAndBytesConfig, FineGrainedFP8Config
 
 from . import compat
+from .codec_file import without_codec
+from .quantized_experts import (
+    Bnb4bitSelectedExperts,
+    Fp8SelectedExperts,
+    check_4bit_expert_blocks,
+    freeze_quantized_experts,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -70,22 +87,37 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         return []
 
     def validate_environment(self, *args, **kwargs):
-        # Without a GPU the FP8 experts are dequantised, and said so in `update_dtype`, which knows the dtype they
-        # get (transformers' own message would say "bf16" whatever the load's dtype is).
-        self.dequantising_without_gpu = self.pre_quantized and not self.quantization_config.dequantize and not (
-            torch.cuda.is_available() or torch.xpu.is_available()
-        )
-        if self.dequantising_without_gpu:
-            self.quantization_config.dequantize = True
-        super().validate_environment(*args, **kwargs)
-        if self.pre_quantized and not self.quantization_config.dequantize:
-            reason = fp8_kernel_problem()
-            if reason is not None:
-                logger.warning_once(
-                    f"bsgemm-moe: the FP8 expert kernel is unavailable ({reason}); the routed experts are dequantised "
-                    "to the model dtype instead (same results, about twice the expert memory)."
-                )
-                self.quantization_config.dequantize = True
+        # `selected_experts`: the experts stay FP8 in `Fp8SelectedExperts` (module docstring). transformers' own
+        # check would dequantise them wherever its kernel cannot run, so it is asked only where the kernel loads.
+        self.selected_experts = False
+        if not self.pre_quantized or self.quantization_config.dequantize:
+            return super().validate_environment(*args, **kwargs)
+        reason = fp8_kernel_problem() if fp8_capable_gpu() else "no GPU with FP8 support"
+        if reason is not None:
+            logger.info(
+                f"bsgemm-moe: transformers' FP8 expert kernel is not used ({reason}); the routed experts stay FP8 and "
+                "only the selected experts are dequantised at each call (BsgemmMoeConfig(dequantize=True) "
+                "dequantises them all while loading instead: faster on a CPU, twice the expert memory in bf16)."
+            )
+            self.selected_experts = True
+            return None
+        return super().validate_environment(*args, **kwargs)
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        freeze_quantized_experts(model)
+        return super()._process_model_after_weight_loading(model, **kwargs)
+
+    def get_state_dict_and_metadata(self, model):
+        # transformers saves a quantised model's own state dict instead of the one `save_pretrained` passes: keep the
+        # codec out of it (it goes to codec.pth). The FP8 experts and their scales are written back one tensor per
+        # expert by the reversed conversions, the checkpoint's own layout.
+        if self.selected_experts and not compat.kept_fp8_scales_save_with_their_shape():
+            raise NotImplementedError(
+                "saving FP8 experts kept as shipped needs a newer transformers (this one writes their block scales "
+                "with the wrong shape): load with `quantization_config=BsgemmMoeConfig(dequantize=True)` to save a "
+                "dequantised copy, or keep using the original checkpoint"
+            )
+        return without_codec(model.state_dict()), {}
 
     def remove_quantization_config(self, model):
         # Runs once the experts are dequantised: the model is no longer quantised, so `save_pretrained` must write
@@ -93,17 +125,11 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
         super().remove_quantization_config(model)
         compat.forget_loading_conversions(model)
 
-    def update_dtype(self, dtype):
-        dtype = super().update_dtype(dtype)
-        if getattr(self, "dequantising_without_gpu", False):
-            logger.warning_once(
-                f"bsgemm-moe: there is no GPU, so the checkpoint's FP8 routed experts are dequantised to "
-                f"{str(dtype).removeprefix('torch.')} while loading (the same weights at full precision: "
-                f"{torch.finfo(dtype).bits // 8} bytes each instead of 1)."
-            )
-        return dtype
-
     def _process_model_before_weight_loading(self, model, **kwargs):
+        if self.selected_experts:
+            self.modules_to_not_convert = []
+            replace_routed_experts(model, Fp8SelectedExperts)
+            return None
         # Everything outside the routed experts is bf16 in the checkpoint and must stay a plain module. transformers
         # matches skip names as prefixes or suffixes, so short names ("self_attn") protect nothing; one regex (its
         # patterns are matched with `re.match`) protects every module whose name does not end in `.mlp.experts`.
@@ -114,6 +140,23 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
             return super()._process_model_before_weight_loading(model, **kwargs)
         finally:
             self.quantization_config.modules_to_not_convert = user_skip
+
+
+def fp8_capable_gpu() -> bool:
+    """Whether a CUDA GPU with FP8 matmuls (compute capability >= 8.9) or an XPU is present: where transformers
+    would run its FP8 kernel."""
+    if torch.xpu.is_available():
+        return True
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+def replace_routed_experts(model: nn.Module, make_experts) -> None:
+    """Swap every backbone layer's `mlp.experts` for `make_experts(text_config)`, on the meta device (before
+    loading: the loader fills the new module's parameters)."""
+    for name, module in list(model.named_modules()):
+        if name.endswith(".mlp.experts"):
+            with torch.device("meta"):
+                model.set_submodule(name, make_experts(module.config))
 
 
 def fp8_kernel_problem() -> str | None:
@@ -149,30 +192,84 @@ class BnbWithFp8ExpertsConfig(BitsAndBytesConfig):
         self.quant_method = f"{BSGEMM_MOE}+bitsandbytes_{'8bit' if self.load_in_8bit else '4bit'}"
 
 
-class _DequantisesFp8Experts:
-    """Mixin for a bitsandbytes quantizer: the checkpoint's FP8 experts are dequantised while loading.
+class _QuantisesRoutedExperts:
+    """Mixin for a bitsandbytes quantizer on a `bsgemm-moe` checkpoint: the routed experts stay FP8
+    (`Fp8SelectedExperts`, 8-bit) or are dequantised from FP8 and quantised to 4-bit as they are read
+    (`Bnb4bitSelectedExperts`, 4-bit).
 
-    The bitsandbytes quantizer quantises the dense linears; the FP8 dequantisation is borrowed from a dequantising
-    `BsgemmMoeHfQuantizer` (its weight conversions). The quantizer's own config is a plain `BitsAndBytesConfig`, so
-    the loaded model's `config.quantization_config` says `bitsandbytes`.
+    The bitsandbytes quantizer quantises the dense linears; the FP8 experts' weight conversions are borrowed from a
+    `BsgemmMoeHfQuantizer` (copies for the scales when the experts stay FP8, the dequantisation before the merge
+    otherwise). The quantizer's own config is a plain `BitsAndBytesConfig`, so the loaded model's
+    `config.quantization_config` says `bitsandbytes`.
     """
 
     def __init__(self, quantization_config, **kwargs):
         super().__init__(BitsAndBytesConfig(**_bnb_fields(quantization_config)), **kwargs)
-        self._fp8_experts = BsgemmMoeHfQuantizer(BsgemmMoeConfig(dequantize=True), pre_quantized=True)
+        self._fp8_experts = BsgemmMoeHfQuantizer(BsgemmMoeConfig(dequantize=self.quantization_config.load_in_4bit),
+                                                 pre_quantized=True)
+
+    def make_experts(self, text_config):
+        if not self.quantization_config.load_in_4bit:
+            return Fp8SelectedExperts(text_config)
+        config = self.quantization_config
+        return Bnb4bitSelectedExperts(text_config, quant_type=config.bnb_4bit_quant_type,
+                                      compress_statistics=config.bnb_4bit_use_double_quant,
+                                      quant_storage=config.bnb_4bit_quant_storage)
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        result = super()._process_model_before_weight_loading(model, **kwargs)
+        replace_routed_experts(model, self.make_experts)
+        return result
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        freeze_quantized_experts(model)
+        return super()._process_model_after_weight_loading(model, **kwargs)
+
+    def get_quantize_ops(self):
+        return Bnb4bitExpertsQuantize(self, super().get_quantize_ops())
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        module_name, _, tensor_name = param_name.rpartition(".")
+        if isinstance(model.get_submodule(module_name), Bnb4bitSelectedExperts):
+            return True  # quantised by bitsandbytes' own 4-bit op, like a Linear4bit weight
+        return super().param_needs_quantization(model, param_name, **kwargs)
 
     def update_weight_conversions(self, weight_conversions, *args):
         # `*args`: newer transformers also pass the model.
         with_fp8 = self._fp8_experts.update_weight_conversions(weight_conversions, *args)
         return super().update_weight_conversions(with_fp8, *args)
 
+    def is_serializable(self, *args, **kwargs):
+        # The experts' 4-bit block statistics and FP8 scales have no bitsandbytes serialisation: transformers then
+        # refuses save_pretrained with its own error (the original checkpoint is the one to keep).
+        return False
 
-class Bnb8BitWithFp8Experts(_DequantisesFp8Experts, Bnb8BitHfQuantizer):
-    """bitsandbytes 8-bit dense linears + dequantised `bsgemm-moe` experts."""
+
+class Bnb4bitExpertsQuantize(ConversionOps):
+    """The loader's quantize op for a 4-bit load: routed experts through `Bnb4bitSelectedExperts.quantized_parameter`
+    (bitsandbytes' 4-bit, one expert at a time), every other weight through bitsandbytes' own op (`linears`)."""
+
+    def __init__(self, hf_quantizer, linears: ConversionOps):
+        self.hf_quantizer = hf_quantizer
+        self.linears = linears
+
+    def convert(self, input_dict, *args, model=None, **kwargs):
+        name = next(iter(input_dict))
+        module_name, _, tensor_name = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        if not isinstance(module, Bnb4bitSelectedExperts):
+            return self.linears.convert(input_dict, *args, model=model, **kwargs)
+        value = input_dict[name]
+        module._is_hf_initialized = True
+        return {name: module.quantized_parameter(tensor_name, value[0] if isinstance(value, list) else value)}
 
 
-class Bnb4BitWithFp8Experts(_DequantisesFp8Experts, Bnb4BitHfQuantizer):
-    """bitsandbytes 4-bit dense linears + dequantised `bsgemm-moe` experts."""
+class Bnb8BitWithFp8Experts(_QuantisesRoutedExperts, Bnb8BitHfQuantizer):
+    """bitsandbytes 8-bit dense linears + the `bsgemm-moe` experts kept in FP8."""
+
+
+class Bnb4BitWithFp8Experts(_QuantisesRoutedExperts, Bnb4BitHfQuantizer):
+    """bitsandbytes 4-bit dense linears + the `bsgemm-moe` experts quantised to bitsandbytes 4-bit."""
 
 
 def with_default_skip_modules(config: BitsAndBytesConfig) -> BitsAndBytesConfig:
@@ -247,6 +344,9 @@ def prepare_quantization(config, quantization_config, model: nn.Module):
             )
             quantization_config.llm_int8_skip_modules = skip + added
     if checkpoint_quant_method(config) == BSGEMM_MOE:
+        if quantization_config.load_in_4bit:
+            check_4bit_expert_blocks(config.text_config, Bnb4bitSelectedExperts.BLOCKSIZE,
+                                     quantization_config.bnb_4bit_use_double_quant)
         config = copy.deepcopy(config)
         del config.quantization_config
         quantization_config = BnbWithFp8ExpertsConfig(**_bnb_fields(quantization_config))

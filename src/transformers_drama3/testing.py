@@ -13,11 +13,11 @@ import copy
 import json
 import math
 import os
+import re
 import shutil
 import tempfile
 
 import torch
-from huggingface_hub import split_torch_state_dict_into_shards
 from safetensors.torch import save_file
 
 from .checkpoint_mapping import FP8_BLOCK, expected_original_tensors
@@ -138,8 +138,7 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, max_shard_size
     config = FishOmniConfig(**copy.deepcopy(config_dict))  # validates before anything is written
 
     generator = torch.Generator().manual_seed(seed)
-    tensors = _random_original_tensors(config, generator)
-    _save_sharded(tensors, path, max_shard_size)
+    _save_sharded(_original_tensor_shapes(config), _random_original_tensors(config, generator), path, max_shard_size)
     torch.save(random_original_codec_state_dict(config.codec_config, generator), os.path.join(path, "codec.pth"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_dict, f, indent=2)
@@ -147,28 +146,39 @@ def write_tiny_checkpoint(path: str | os.PathLike, seed: int = 0, max_shard_size
     return path
 
 
-def _random_original_tensors(config: FishOmniConfig, generator: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random tensors for every original name: bf16 dense weights, FP8 experts with block scales.
-
-    Zero-centred norm weights are small random values (std 0.15) so that a missing `1 +` is caught; the
-    gated-DeltaNet output norm (a plain gain) is around 1.
-    """
+def _original_tensor_shapes(config: FishOmniConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every original tensor name, in the order the writer draws them (each FP8 weight's
+    `weight_scale_inv` right after it)."""
     from .modeling_drama3 import FishOmniForSpeech
 
     with torch.device("meta"):
         skeleton = FishOmniForSpeech(config, with_codec=False)  # the codec goes to codec.pth
-    fp8 = (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bsgemm-moe"
-    shapes = expected_original_tensors(skeleton, fp8_experts=fp8)
-    tensors = {}
-    for name, shape in shapes.items():
+    return expected_original_tensors(skeleton, fp8_experts=_fp8_experts(config))
+
+
+def _fp8_experts(config: FishOmniConfig) -> bool:
+    return (getattr(config, "quantization_config", None) or {}).get("quant_method") == "bsgemm-moe"
+
+
+def _random_original_tensors(config: FishOmniConfig, generator: torch.Generator):
+    """Random tensors for every original name, one at a time (`(name, tensor)`, in `_original_tensor_shapes`
+    order, so that a full-width checkpoint is written without being held): bf16 dense weights, FP8 experts with
+    block scales.
+
+    Zero-centred norm weights are small random values (std 0.15) so that a missing `1 +` is caught; the
+    gated-DeltaNet output norm (a plain gain) is around 1.
+    """
+    fp8 = _fp8_experts(config)
+    for name, shape in _original_tensor_shapes(config).items():
         if name.endswith("_scale_inv"):
             continue
         if ".mlp.experts." in name and fp8:
             weight = torch.randn(shape, generator=generator) * 0.05
-            tensors[name], tensors[name + "_scale_inv"] = quantize_fp8_blockwise(weight)
+            quantized, scale_inv = quantize_fp8_blockwise(weight)
+            yield name, quantized
+            yield name + "_scale_inv", scale_inv
         else:
-            tensors[name] = _random_dense(name, shape, generator).to(torch.bfloat16)
-    return tensors
+            yield name, _random_dense(name, shape, generator).to(torch.bfloat16)
 
 
 def _random_dense(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
@@ -199,15 +209,44 @@ def quantize_fp8_blockwise(weight: torch.Tensor, block: int = FP8_BLOCK) -> tupl
     return quantized.contiguous(), scale_inv.float()
 
 
-def _save_sharded(tensors: dict[str, torch.Tensor], path: str, max_shard_size: str) -> None:
-    split = split_torch_state_dict_into_shards(tensors, max_shard_size=max_shard_size)
-    for filename, names in split.filename_to_tensors.items():
-        save_file({name: tensors[name].contiguous() for name in names}, os.path.join(path, filename),
-                  metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
+def _save_sharded(shapes: dict[str, tuple[int, ...]], tensors, path: str, max_shard_size: str) -> None:
+    """Write `tensors` (`(name, tensor)` pairs in `shapes` order) as safetensors shards of at most `max_shard_size`
+    (a larger tensor gets a shard of its own), holding one shard in memory at a time; the names and the index file
+    follow `huggingface_hub`'s sharding convention (its splitter needs every tensor at once)."""
+    limit = _size_in_bytes(max_shard_size)
+    fp8 = {name for name in shapes if name + "_scale_inv" in shapes}
+    sizes = {name: math.prod(shape) * (1 if name in fp8 else 4 if name.endswith("_scale_inv") else 2)
+             for name, shape in shapes.items()}
+    shards, current, current_size = [], [], 0
+    for name, size in sizes.items():
+        if current and current_size + size > limit:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    shards.append(current)
+    filenames = (["model.safetensors"] if len(shards) == 1 else
+                 [f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors" for index in range(len(shards))])
+    weight_map = {}
+    for filename, names in zip(filenames, shards):
+        shard = {}
+        for name in names:
+            drawn, tensor = next(tensors)
+            assert drawn == name, (drawn, name)  # the generator draws in `shapes` order
+            shard[name] = tensor.contiguous()
+        save_file(shard, os.path.join(path, filename), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, filename))
+        del shard
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump(index, f, indent=2)
+
+
+def _size_in_bytes(size: str) -> int:
+    """`"10MB"` -> 10_000_000 (KB, MB, GB, TB are powers of 1000, as in `max_shard_size` everywhere)."""
+    number, unit = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]B)\s*", size.upper()).groups()
+    return int(float(number) * 1000 ** ("KMGT".index(unit[0]) + 1))
 
 
 def _build_tokenizer(num_semantic: int):

@@ -25,6 +25,7 @@ from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
 from transformers_drama3.generation_drama3 import FrameLoop, frame_states, generation_settings
+from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.sampling import FrameSampler
 from transformers_drama3.streaming import Drama3AudioStreamer
 
@@ -40,7 +41,10 @@ def model(golden_model):
 
 @pytest.fixture(scope="module")
 def model64():
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float64)
+    # Experts dequantised at load: these tests compare the step with uncached passes over every row (160 of them for
+    # 16 frames), which would dequantise every FP8 layer again on each pass; the FP8-kept path has its own tests.
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float64,
+                                              quantization_config=BsgemmMoeConfig(dequantize=True))
     model.set_experts_implementation("eager")  # grouped_mm has no float64 kernel
     return model
 

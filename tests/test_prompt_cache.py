@@ -60,8 +60,9 @@ def random_voice_like(voice: Drama3Voice) -> Drama3Voice:
 
 def test_prefill_from_the_cache_equals_the_full_prefill(model64, golden_processor, voice, voice_cache):
     inputs = golden_processor("Good morning to you.", references=[voice])
-    full = prefill(model64, inputs["input_ids"], inputs["attention_mask"], None)
-    cached = prefill(model64, inputs["input_ids"], inputs["attention_mask"], voice_cache)
+    mask, _ = model64.checked_inputs(inputs["input_ids"], inputs["attention_mask"])  # what generate prefills with
+    full = prefill(model64, inputs["input_ids"], mask, None)
+    cached = prefill(model64, inputs["input_ids"], mask, voice_cache)
     rows = inputs["input_ids"].shape[1]
     assert cached.last_hidden_state.shape[1] == rows - voice_cache.length
     assert cached.cache.get_seq_length() == full.cache.get_seq_length() == rows

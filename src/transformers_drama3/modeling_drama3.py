@@ -317,6 +317,14 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         return self._teacher_forced(input_ids, attention_mask, labels, row_mask, cache if use_cache else None,
                                     tower_cache if use_cache else None, logits_to_keep)
 
+    def prefill(self, input_ids, attention_mask, cache=None, tower_cache=None) -> Drama3SpeechOutput:
+        """The pass `generate` starts from, on inputs `checked_inputs` has already checked (so they are not read back
+        again): rows `[B, T, 1 + NCB]` extend `cache`/`tower_cache` (new ones when None) under the full mask
+        `[B, past + T]` that `checked_inputs` returned, keeping the last row's logits only."""
+        if cache is None and tower_cache is None:
+            cache, tower_cache = self.new_caches()
+        return self._teacher_forced(input_ids, attention_mask, None, None, cache, tower_cache, 1)
+
     def checked_inputs(self, input_ids, attention_mask=None, labels=None, cache=None, tower_cache=None):
         """Check what `forward` takes before any work, reading the data back once (one host sync: the pass itself
         then never waits for the host). Returns the full long attention mask `[B, past + T]` on the input device and,

@@ -118,18 +118,17 @@ class PromptCache:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_cache: PromptCache | None):
-    """`generate`'s prefill: the teacher-forced forward over the prompt rows `[B, T, 1 + NCB]` with caches, keeping
-    the last row's logits only. With `prompt_cache` it continues from copies of the cached prefix and runs over the
-    rows after it (the output's `last_hidden_state` then covers those rows only)."""
+    """`generate`'s prefill (`model.prefill`) over prompt rows `[B, T, 1 + NCB]` and their full mask `[B, T]`, both
+    checked by `model.checked_inputs`. With `prompt_cache` it continues from copies of the cached prefix and runs over
+    the rows after it (the output's `last_hidden_state` then covers those rows only)."""
     if prompt_cache is None:
-        return model(input_ids, attention_mask, use_cache=True, logits_to_keep=1)
+        return model.prefill(input_ids, attention_mask)
     if not isinstance(prompt_cache, PromptCache):
         raise TypeError(f"prompt_cache must be a PromptCache (PromptCache.build(model, prefix_rows)), got "
                         f"{type(prompt_cache).__name__}")
     prompt_cache.check(input_ids, attention_mask)
     cache, tower_cache = prompt_cache.copies(input_ids.shape[0])
-    return model(input_ids[:, prompt_cache.length :], attention_mask, cache=cache, tower_cache=tower_cache,
-                 use_cache=True, logits_to_keep=1)
+    return model.prefill(input_ids[:, prompt_cache.length :], attention_mask, cache, tower_cache)
 
 
 class PromptCacheStore:

@@ -51,7 +51,8 @@ from configs import build_model, model_config, random_prompt
 from transformers_drama3 import Drama3AudioStreamer
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.generation_drama3 import FrameStates, generation_settings
+from transformers_drama3.frame_runner import FrameStates
+from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.sampling import FrameSampler
 
 MODES = ("eager", "compiled", "graph", "compiled+graph")

@@ -24,7 +24,8 @@ import torch
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.generation_drama3 import FrameLoop, frame_states, generation_settings
+from transformers_drama3.frame_runner import FrameLoop, frame_states
+from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.sampling import FrameSampler
 from transformers_drama3.streaming import Drama3AudioStreamer

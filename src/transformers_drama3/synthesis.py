@@ -17,7 +17,7 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from .device_placement import execution_device
-from .generation_drama3 import request_generators
+from .frame_runner import request_generators
 from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 

@@ -51,7 +51,7 @@ from configs import build_model, model_config, random_prompt
 from transformers_drama3 import Drama3AudioStreamer
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.frame_runner import FrameStates
+from transformers_drama3.frame_runner import FrameRunner, KeptStates
 from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.sampling import FrameSampler
 
@@ -94,21 +94,30 @@ def parse_args() -> argparse.Namespace:
 # ------------------------------------------------------------------------------------------------------------------
 
 
-def loaded_state(model, prompt: torch.Tensor, seed: int) -> tuple[FrameState, FrameSampler, int, list]:
-    """A frame state loaded with `prompt` after its prefill, as `generate` prepares it (default sampling settings),
-    its sampler, its attention window and its random stream."""
+def loaded_runner(model, prompt: torch.Tensor, seed: int, graphs: bool = False,
+                  compile_backend: str | None = None) -> FrameRunner:
+    """A runner holding `prompt`'s sequences after their prefill, as `generate` prepares them (default sampling
+    settings, one random stream), that never end (the step's cost does not depend on it)."""
     settings = generation_settings(model.generation_config)
     mask = torch.ones(prompt.shape[:2], dtype=torch.long, device=prompt.device)
     with torch.no_grad():
         prefill = model(prompt, mask, use_cache=True, logits_to_keep=1)
     if not bool(torch.isfinite(prefill.last_hidden_state).all()):
         raise RuntimeError("the backbone gave non-finite hidden states after the prefill: check the initialisation")
-    visible = attention_window(prompt.shape[1] + 64, row_limit(model.config.text_config.max_position_embeddings))
-    state = FrameState(model, prompt.shape[0], visible, settings.ras_window, prefill.cache)
-    state.load_prefill(prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], prompt,
-                       model.row_positions(mask), mask, settings.ras_window)
-    generator = torch.Generator(device=state.noise.device).manual_seed(seed)
-    return state, FrameSampler(settings), visible, generator
+    runner = FrameRunner(model, graphs, compile_backend, kept=KeptStates(model) if graphs else None)
+    batch = prompt.shape[0]
+    runner.admit(list(range(batch)), prefill, prompt, mask, [settings] * batch, [None] * batch, [10**9] * batch)
+    runner.one_stream = True
+    runner.shared_generator = torch.Generator(device=runner.state.noise.device).manual_seed(seed)
+    return runner
+
+
+def loaded_state(model, prompt: torch.Tensor, seed: int) -> tuple[FrameState, int]:
+    """The state of `loaded_runner` with its noise drawn, and the attention window of its next step."""
+    runner = loaded_runner(model, prompt, seed)
+    state = runner.state
+    state.sampler.fill_noise(state.noise, runner.shared_generator)
+    return state, attention_window(state.pointer + 1, row_limit(model.config.text_config.max_position_embeddings))
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -177,13 +186,12 @@ def parts_of_the_step(model, counter: OpCounter):
 
 def eager_kernels(model, prompt: torch.Tensor, seed: int) -> dict:
     """Dispatched kernel-launching ATen operations of one eager step, per part, with the top operations."""
-    state, sampler, visible, generator = loaded_state(model, prompt, seed)
-    sampler.fill_noise(state.noise, generator)
+    state, visible = loaded_state(model, prompt, seed)
     with torch.no_grad():
-        state.step(sampler, visible)  # lazy initialisations happen outside the count
+        state.step(visible)  # lazy initialisations happen outside the count
         counter = OpCounter()
         with parts_of_the_step(model, counter), counter:
-            state.step(sampler, visible)
+            state.step(visible)
     total = sum((c for c in counter.counts.values()), Counter())
     return {"per_part": {part: sum(c.values()) for part, c in counter.counts.items()}, "total": sum(total.values()),
             "top_ops": dict(total.most_common(12))}
@@ -197,13 +205,12 @@ def compiled_kernels(model, prompt: torch.Tensor, seed: int) -> dict:
     the compile time."""
     from torch._inductor.utils import run_and_get_code
 
-    state, sampler, visible, generator = loaded_state(model, prompt, seed)
-    sampler.fill_noise(state.noise, generator)
+    state, visible = loaded_state(model, prompt, seed)
     torch._dynamo.reset()
     compiled = torch.compile(state.step, fullgraph=True, dynamic=False)
     start = time.perf_counter()
     with torch.no_grad():
-        _, sources = run_and_get_code(compiled, sampler, visible)
+        _, sources = run_and_get_code(compiled, visible)
     seconds = time.perf_counter() - start
     kinds = Counter()
     for source in sources:
@@ -260,23 +267,19 @@ def summary_ms(seconds: list[float]) -> dict:
 
 def time_mode(model, prompt: torch.Tensor, mode: str, args, device: torch.device) -> dict:
     """Time per step of `mode` at the prompt's batch: warm-up (with the compile or capture), then timed steps."""
-    states = FrameStates(model)
-    state, sampler, visible, generator = loaded_state(model, prompt, args.seed)
     start = time.perf_counter()
     with torch.no_grad():
-        run = states.runner(state, sampler, visible, graphs="graph" in mode,
-                            compile_backend="inductor" if "compiled" in mode else None)
+        runner = loaded_runner(model, prompt, args.seed, graphs="graph" in mode,
+                               compile_backend="inductor" if "compiled" in mode else None)
         for _ in range(args.warmup):
-            sampler.fill_noise(state.noise, generator)
-            run()
+            runner.step()
         synchronize(device)
         ready_seconds = time.perf_counter() - start
         seconds = []
         for _ in range(args.frames):
-            sampler.fill_noise(state.noise, generator)
             synchronize(device)
             begin = time.perf_counter()
-            run()
+            runner.step()  # the random stream's draw of the frame's noise included, as generate runs it
             synchronize(device)
             seconds.append(time.perf_counter() - begin)
     return {**summary_ms(seconds), "first_steps_seconds": ready_seconds}

@@ -24,10 +24,9 @@ import torch
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.frame_runner import FrameLoop, frame_states
+from transformers_drama3.frame_runner import FrameLoop, kept_states
 from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
-from transformers_drama3.sampling import FrameSampler
 from transformers_drama3.streaming import Drama3AudioStreamer
 
 from .conftest import GOLDEN_TINY, left_padded
@@ -114,8 +113,8 @@ def test_hidden_states_across_an_attention_window_crossing_equal_the_uncached_fo
     rows = torch.cat([expected["prompt_b_rows"]] * 4)[:250][None]
     hidden, capacities, step = [], [], FrameState.step
 
-    def recording_step(state, sampler, visible, hook=None):
-        step(state, sampler, visible, hook)
+    def recording_step(state, visible, hook=None):
+        step(state, visible, hook)
         hidden.append(state.hidden.clone())
         capacities.append(state.capacity)
 
@@ -141,16 +140,18 @@ def test_hidden_states_across_an_attention_window_crossing_equal_the_uncached_fo
 
 
 def loaded_state(model, prompt, **settings):
-    """A state loaded with `prompt` after its prefill, with the sampler and window of its first step."""
+    """A state holding `prompt` after its prefill, with the window of its first step."""
     settings = generation_settings(model.generation_config, max_new_tokens=8, **settings)
     mask = torch.ones(prompt.shape[:2], dtype=torch.long)
     with torch.no_grad():
         prefill = model(prompt, mask, use_cache=True, logits_to_keep=1)
     visible = attention_window(prompt.shape[1] + 1, row_limit(model.config.text_config.max_position_embeddings))
     state = FrameState(model, 1, visible, settings.ras_window, prefill.cache)
-    state.load_prefill(prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], prompt,
-                       model.row_positions(mask), mask, settings.ras_window)
-    return state, FrameSampler(settings), visible
+    state.start_at(prompt.shape[1])
+    row = torch.zeros(1, dtype=torch.long)
+    state.admit(row, prefill, prompt, model.row_positions(mask), mask, [8])
+    state.sampler.set_rows(row, settings)
+    return state, visible
 
 
 def state_tensors(state) -> dict[str, torch.Tensor]:
@@ -169,12 +170,12 @@ def state_tensors(state) -> dict[str, torch.Tensor]:
 
 def test_step_updates_every_buffer_in_place(model, prompt):
     """A replayed graph reads and writes the addresses seen at capture: the step must never rebind a buffer."""
-    state, sampler, visible = loaded_state(model, prompt)
+    state, visible = loaded_state(model, prompt)
     before = {name: (tensor, tensor.data_ptr()) for name, tensor in state_tensors(state).items()}
     snapshot = {name: tensor.clone() for name, (tensor, _) in before.items()}
-    sampler.fill_noise(state.noise, torch.Generator().manual_seed(0))
+    state.sampler.fill_noise(state.noise, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        state.step(sampler, visible)
+        state.step(visible)
     after = state_tensors(state)
     assert after.keys() == before.keys()
     for name, (tensor, pointer) in before.items():
@@ -191,9 +192,9 @@ def test_step_traces_as_one_graph_without_breaks(model, prompt):
     back to Python, which is what a CUDA graph capture (and torch.compile) needs. The eager experts loop reads the
     routing on the host, so this runs the experts a capture uses."""
     with captured_experts(model):
-        state, sampler, visible = loaded_state(model, prompt)
+        state, visible = loaded_state(model, prompt)
         with torch.no_grad():
-            explanation = torch._dynamo.explain(state.step)(sampler, visible)
+            explanation = torch._dynamo.explain(state.step)(visible)
     torch._dynamo.reset()
     assert explanation.graph_break_count == 0, [reason.reason for reason in explanation.break_reasons]
     assert explanation.graph_count == 1
@@ -244,12 +245,12 @@ def test_eager_calls_keep_no_state_and_memory_follows_the_frames(model, prompt, 
     out = model.generate(prompt, do_sample=False, max_new_tokens=10**9, output_audio=False)
     assert out.finish_reason == ["eos"] and out.codes[0].shape[1] == 12
     assert sizes["output"] == 256  # one chunk of output rows
-    assert frame_states(model).states == {}
+    assert kept_states(model).states == {}
 
 
-def test_threads_take_turns_and_nested_calls_are_refused(model, prompt, expected):
-    """Two threads generating at once with one model wait for each other and get what they get alone; a `generate`
-    from inside a running one (a streamer) is refused."""
+def test_threads_generate_at_once_and_a_nested_call_runs(model, prompt, expected):
+    """Two threads generating at once with one model each get what they get alone (a call's eager state is its
+    own); a `generate` from inside a running one (a streamer) runs too."""
     other = expected["prompt_b_rows"][None]
     alone = [model.generate(p, do_sample=False, max_new_tokens=10, output_audio=False) for p in (prompt, other)]
     results = [None, None]
@@ -265,17 +266,20 @@ def test_threads_take_turns_and_nested_calls_are_refused(model, prompt, expected
     for together, single in zip(results, alone):
         assert torch.equal(together.sequences, single.sequences)
 
+    nested = []
+
     class Nested(Drama3AudioStreamer):
         def put(self, value):
-            model.generate(prompt, max_new_tokens=2)
+            nested.append(model.generate(other, do_sample=False, max_new_tokens=10, output_audio=False).sequences)
+            super().put(value)
 
-    with pytest.raises(RuntimeError, match="from inside a running generate"):
-        model.generate(prompt, seed=0, max_new_tokens=4, streamer=Nested(model.codec))
-    assert frame_states(model)._owner is None
+    outer = model.generate(prompt, do_sample=False, max_new_tokens=10, streamer=Nested(model.codec), output_audio=False)
+    assert torch.equal(outer.sequences, alone[0].sequences)
+    assert nested and all(torch.equal(rows, alone[1].sequences) for rows in nested)
 
 
 def test_a_failed_request_leaves_nothing_behind(model, prompt):
-    """A streamer error stops a request mid-way; the lock is released and the next request is unaffected."""
+    """A streamer error stops a request mid-way; the next request is unaffected."""
 
     class Failing(Drama3AudioStreamer):
         frames = 0
@@ -289,7 +293,6 @@ def test_a_failed_request_leaves_nothing_behind(model, prompt):
     before = model.generate(prompt, seed=1, max_new_tokens=12, output_audio=False)
     with pytest.raises(RuntimeError, match="listener went away"):
         model.generate(prompt, seed=3, max_new_tokens=11, streamer=Failing(model.codec, 5))
-    assert frame_states(model)._owner is None
     assert torch.equal(model.generate(prompt, seed=1, max_new_tokens=12, output_audio=False).sequences, before.sequences)
 
 
@@ -315,12 +318,12 @@ def test_cuda_graph_replays_give_the_eager_frames(expected):
         assert torch.equal(graphs.sequences, eager.sequences)
 
     both(prompt, do_sample=False, max_new_tokens=16)
-    assert frame_states(model).states and all(s.graphs for s in frame_states(model).states.values())
+    assert kept_states(model).states and all(s.graphs for s in kept_states(model).states.values())
     for seed in range(3):
         both(prompt, seed=seed, max_new_tokens=24)
     batch, mask = left_padded(a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
     both(batch.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=30, stop_check_interval=2)
-    assert {key[0] for key in frame_states(model).states} >= {4, 2, 1}
+    assert {key[0] for key in kept_states(model).states} >= {4, 2, 1}
     inline = Drama3AudioStreamer(model.codec, chunk_frames=3)
     overlapped = Drama3AudioStreamer(model.codec, chunk_frames=3, overlap=True)
     model.generate(prompt, do_sample=False, max_new_tokens=11, streamer=inline, fast_decode=True)
@@ -328,7 +331,7 @@ def test_cuda_graph_replays_give_the_eager_frames(expected):
     model.generate(prompt, do_sample=False, max_new_tokens=11, streamer=overlapped, fast_decode=True)
     assert all(torch.equal(x, y) for x, y in zip(inline.chunks, overlapped.chunks)) and len(inline.chunks) > 2
     model.reset_frame_states()
-    assert frame_states(model).states == {}
+    assert kept_states(model).states == {}
 
 
 def test_a_model_that_generated_can_be_deep_copied(model, prompt):

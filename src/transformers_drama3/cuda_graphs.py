@@ -38,22 +38,23 @@ class StepGraphs:
     def __init__(self):
         self.pool = None
 
-    def capture(self, model, step: Callable[[], None], device: torch.device, warm_up: bool) -> torch.cuda.CUDAGraph:
-        """Capture `step` (the step of one state, window and sampling setting) and return its graph.
+    def warm_up(self, model, step: Callable[[], None], device: torch.device) -> None:
+        """Run a few eager steps of a new state on a side stream (lazy initialisations, workspaces) before its first
+        capture. They overwrite the state: do it before any sequence is in it."""
+        with captured_experts(model):
+            side = torch.cuda.Stream(device=device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(CAPTURE_WARMUP_STEPS):
+                    step()
+            torch.cuda.current_stream(device).wait_stream(side)
 
-        `warm_up` runs a few eager steps first, which overwrite the state: do it before loading sequences into a new
-        state. Later captures of the same state only record (nothing runs), so they are safe mid-request.
-        """
+    def capture(self, model, step: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
+        """Capture `step` (the step of one state, window and sampling key) and return its graph. A capture only
+        records (nothing runs), so it is safe while sequences are in the state."""
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         with captured_experts(model):
-            if warm_up:
-                side = torch.cuda.Stream(device=device)
-                side.wait_stream(torch.cuda.current_stream(device))
-                with torch.cuda.stream(side):
-                    for _ in range(CAPTURE_WARMUP_STEPS):
-                        step()
-                torch.cuda.current_stream(device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             # thread_local: a streamer's codec worker (`Drama3AudioStreamer(overlap=True)`) may keep decoding on its
             # own stream while this thread captures.

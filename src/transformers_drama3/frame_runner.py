@@ -1,8 +1,13 @@
-"""The runner of the frame step: the frame states a model keeps, their CUDA graphs, and the loop of one call.
+"""The runner of the frame step: the sequences being generated, the state they are in, and the step over them.
 
-`FrameLoop` runs one `generate` call after its prefill: it loads the batch into a `FrameState` (frame_step.py), runs
-its step once per frame (eagerly, compiled, or as CUDA graph replays through `FrameStates.runner`), writes the
-frames into the outputs, streams them, runs the stopping criteria and retires finished sequences.
+`FrameRunner` holds the running sequences of one caller (a `generate` call, or the engine of engine.py) in one
+`FrameState` (frame_step.py) and runs its step once per frame: eagerly, compiled (`torch.compile`), or as CUDA graph
+replays (cuda_graphs.py). Sequences are admitted from a prefill between two frames (into free rows, or by moving the
+running ones into a state with more rows) and released when they end; the runner moves them into a bigger state when
+they need more slots, and into a smaller one when few remain, so a CUDA graph runs over a power-of-two number of rows.
+
+`FrameLoop` is one `generate` call after its prefill: a fixed batch admitted at once, its outputs, streaming,
+stopping criteria and the retirement of finished sequences.
 """
 
 from __future__ import annotations
@@ -15,7 +20,6 @@ from transformers.utils import logging
 
 from .cuda_graphs import StepGraphs
 from .frame_step import FrameState, attention_window, row_limit
-from .sampling import FrameSampler
 
 logger = logging.get_logger(__name__)
 
@@ -23,25 +27,23 @@ FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT, FINISH_STOP = "eos", "length", "conte
 OUTPUT_CHUNK_FRAMES = 256  # the output buffer grows by this many frames: memory follows the frames made
 
 
-class FrameStates:
-    """A model's frame states between calls, and the captured CUDA graphs of their steps.
+class KeptStates:
+    """Frame states and their CUDA graphs, kept between the calls of one owner (a model's `generate` calls with
+    `fast_decode=True` on CUDA, or one engine) so that later calls replay graphs already captured.
 
-    With CUDA graphs (`fast_decode=True` on CUDA) states are kept per batch bucket (1, 2, 4, ...: a batch is padded
-    with copies of its first sequence, marked ended) and reused by later calls, with their graphs; otherwise every
-    call builds states of its exact batch size and drops them at its end. One request runs at a time: calls from
-    other threads wait their turn, a call from inside a running one (a streamer calling `generate`) is refused.
+    States are kept per (rows, RAS window, scores) and lent to one runner at a time. Graph calls of `generate` on one
+    model take turns (`in_use`): they share these states and one graph memory pool.
     """
 
     def __init__(self, model):
-        self.model = model
         self.fingerprint = self.model_fingerprint(model)
         self.states: dict[tuple, FrameState] = {}
         self.graphs = StepGraphs()
         self._lock = threading.Lock()
-        self._owner: int | None = None  # the thread running a request
+        self._owner: int | None = None  # the thread using them
 
     def __deepcopy__(self, memo):
-        """A copied model starts without states (they are rebuilt for it on its first call)."""
+        """A copied model starts without kept states (they are rebuilt for it on its first call)."""
         return None
 
     @staticmethod
@@ -50,61 +52,220 @@ class FrameStates:
         return tuple((p.data_ptr(), p.dtype, p.device) for p in model.parameters())
 
     @contextlib.contextmanager
-    def in_use(self, keep: bool):
-        """Hold the states for one request; `keep=False` drops them at its end."""
+    def in_use(self):
+        """Hold the kept states for one call; a call from inside a running one (a streamer calling `generate`) is
+        refused, calls from other threads wait."""
         if self._owner == threading.get_ident():
             raise RuntimeError(
-                "generate() was called from inside a running generate() of the same model (e.g. from a streamer): "
-                "a model generates one request at a time; run the nested call after the first one returns"
+                "generate(fast_decode=True) was called from inside a running one on the same model (e.g. from a "
+                "streamer): its captured graphs are in use; run the nested call after the first one returns"
             )
         with self._lock:
             self._owner = threading.get_ident()
             try:
-                yield
+                yield self
             finally:
                 self._owner = None
-                if not keep:
-                    self.states.clear()
 
-    def state(self, batch: int, capacity: int, ras_window: int, template, scores: bool) -> FrameState:
-        """The state of `batch` sequences with room for at least `capacity` rows, built when missing or too small."""
-        key = (batch, ras_window, scores)
+    def lend(self, key: tuple, capacity: int) -> FrameState | None:
+        """The kept state under `key` if it has room for `capacity` slots (it leaves the store), else None."""
         state = self.states.get(key)
-        if state is None or state.capacity < capacity:
-            self.states.pop(key, None)  # free the old buffers first
-            state = self.states[key] = FrameState(self.model, batch, capacity, ras_window, template, scores)
+        if state is not None and state.capacity >= capacity:
+            return self.states.pop(key)
+        return None
+
+    def give_back(self, key: tuple, state: FrameState) -> None:
+        """Keep `state` for later calls (the larger one when one is kept already)."""
+        kept = self.states.get(key)
+        if kept is None or kept.capacity <= state.capacity:
+            self.states[key] = state
+
+
+def kept_states(model) -> KeptStates:
+    """The model's `KeptStates`, rebuilt when its parameters were replaced or moved since the last call."""
+    kept = getattr(model, "_kept_frame_states", None)
+    if kept is None or kept.fingerprint != KeptStates.model_fingerprint(model):
+        kept = model._kept_frame_states = KeptStates(model)
+    return kept
+
+
+class FrameRunner:
+    """Running sequences, each under a key of its caller's, in one `FrameState`, and the one frame step over them.
+
+    `graphs`: replay the step as CUDA graphs, kept in `kept` (states have a power-of-two number of rows, so that few
+    graphs serve any number of sequences); `compile_backend`: `torch.compile` the step first; `scores`: keep each
+    step's main-token logits. A captured or compiled step attends over `attention_window` slots (a few shapes), an
+    eager one over exactly the slots in use.
+    """
+
+    def __init__(self, model, graphs: bool = False, compile_backend: str | None = None, scores: bool = False,
+                 kept: KeptStates | None = None):
+        if graphs and kept is None:
+            raise ValueError("a runner with CUDA graphs needs a KeptStates to hold them")
+        self.model, self.graphs, self.compile_backend, self.scores, self.kept = model, graphs, compile_backend, scores, kept
+        self.cap = row_limit(model.config.text_config.max_position_embeddings)
+        self.state: FrameState | None = None
+        self.keys: list = []  # per state row: the key of its sequence, None for a free row
+        self.first: list[int] = []  # per state row: the first slot its sequence uses
+        self.limits: list[int] = []  # per state row: the most frames its sequence may make
+        self.generators: list = []  # per state row: its torch.Generator (None: torch's default stream, or free)
+        # One random stream for all rows instead (a `generate` call given one generator, or none: torch's default).
+        self.one_stream, self.shared_generator = False, None
+        self.layout = 0  # changes whenever rows change owner: callers cache row indexes on it
+
+    # -- what runs ------------------------------------------------------------------------------------------------
+
+    @property
+    def running(self) -> list:
+        """Keys of the sequences in the state, in row order."""
+        return [key for key in self.keys if key is not None]
+
+    def rows(self) -> tuple[list[int], list]:
+        """State rows holding a sequence, and their keys."""
+        rows = [row for row, key in enumerate(self.keys) if key is not None]
+        return rows, [self.keys[row] for row in rows]
+
+    def _bucket(self, count: int) -> int:
+        """Rows of a state for `count` sequences: a power of two with CUDA graphs (few graphs), else exact."""
+        return 1 << max(count - 1, 0).bit_length() if self.graphs else max(count, 1)
+
+    def _window(self, slots: int) -> int:
+        return attention_window(slots, self.cap) if self.graphs or self.compile_backend else slots
+
+    # -- states ---------------------------------------------------------------------------------------------------
+
+    def _new_state(self, batch: int, capacity: int, ras_window: int, template) -> FrameState:
+        key = (batch, ras_window, self.scores)
+        state = self.kept.lend(key, capacity) if self.kept is not None else None
+        if state is None:
+            state = FrameState(self.model, batch, capacity, ras_window, template, self.scores)
+            if self.graphs:  # a new state's warm-up steps overwrite it: before any sequence is in it
+                function = self._compiled(state) if self.compile_backend else state.step
+                self.kept.graphs.warm_up(self.model, lambda: function(state.capacity), state.hidden.device)
         return state
 
-    def runner(self, state: FrameState, sampler: FrameSampler, visible: int, graphs: bool, hook=None,
-               compile_backend: str | None = None):
-        """A callable running one step of `state` over `visible` cache rows: a CUDA graph replay with `graphs`, else
-        the step itself; compiled first with `compile_backend` (`torch.compile(fullgraph=True)`: one graph, its
-        element-wise chains fused by inductor). A new state's first capture runs warm-up steps that overwrite it: get
-        the first runner of a state before loading sequences into it."""
-        function = compiled_step(state, compile_backend) if compile_backend else state.step
-        step = lambda: function(sampler, visible, hook)  # noqa: E731
-        if not graphs:
-            return step
-        key = (sampler.key, visible)
-        if key not in state.graphs:
-            state.graphs[key] = self.graphs.capture(self.model, step, state.hidden.device, warm_up=not state.graphs)
-        return state.graphs[key].replay
+    def _let_go(self, state: FrameState | None) -> None:
+        if state is not None and self.kept is not None:
+            self.kept.give_back((state.batch, state.ras_window, self.scores), state)
 
+    def _move(self, extra: int = 0, pointer: int = 0, ras_window: int = 0, template=None) -> None:
+        """Move the running sequences into a new state with free rows for `extra` more, its next slot at least
+        `pointer`, a RAS window of at least `ras_window`; slots no running sequence uses any more are dropped."""
+        old = self.state
+        rows, keys = self.rows()
+        if old is not None:
+            lowest = min((self.first[row] for row in rows), default=old.pointer)
+            pointer = max(old.pointer - lowest, pointer)
+            ras_window = max(ras_window, old.ras_window)
+            template = old.cache
+        batch = self._bucket(len(rows) + extra)
+        state = self._new_state(batch, attention_window(pointer + 1, self.cap), ras_window, template)
+        if old is not None and rows:
+            shift = pointer - old.pointer
+            state.take(old, torch.tensor(rows, device=old.slot.device), shift)
+            self.first = [self.first[row] + shift for row in rows]
+        else:
+            state.start_at(pointer)
+            self.first = []
+        free = batch - len(rows)
+        self.keys = keys + [None] * free
+        self.first += [pointer] * free
+        self.limits = [self.limits[row] for row in rows] + [0] * free
+        self.generators = [self.generators[row] for row in rows] + [None] * free
+        self.state = state
+        self.layout += 1
+        self._let_go(old)
 
-def compiled_step(state: FrameState, backend: str):
-    """`state.step` compiled by torch.compile with `backend`, kept on the state (each window and sampling setting is
-    compiled on its first use)."""
-    if state.compiled.get(backend) is None:
-        state.compiled[backend] = torch.compile(state.step, fullgraph=True, dynamic=False, backend=backend)
-    return state.compiled[backend]
+    def admit(self, keys: list, prefill, input_ids, attention_mask, settings: list, generators: list,
+              frame_limits: list[int]) -> None:
+        """Admit the sequences of one prefill between two frames: `keys` `[n]` (new), its output `prefill`, prompt
+        rows `[n, T, 1 + NCB]`, full mask `[n, T]`, one settings object (a GenerationConfig) per sequence, one
+        generator (or None) per sequence and the most frames each may make."""
+        count, width = input_ids.shape[:2]
+        # A RAS window longer than the context sees all of it: no state needs more.
+        ras_window = min(max((settings_i.ras_window for settings_i in settings), default=0), self.cap)
+        state = self.state
+        free = [row for row, key in enumerate(self.keys) if key is None]
+        if state is None or len(free) < count or state.pointer < width or state.ras_window < ras_window:
+            self._move(extra=count, pointer=width, ras_window=ras_window, template=prefill.cache)
+            state = self.state
+            free = [row for row, key in enumerate(self.keys) if key is None]
+        rows = free[:count]
+        index = torch.tensor(rows, device=state.slot.device)
+        state.admit(index, prefill, input_ids, self.model.row_positions(attention_mask), attention_mask, frame_limits)
+        for row, key, settings_i, generator, limit in zip(rows, keys, settings, generators, frame_limits):
+            state.sampler.set_rows(torch.tensor([row], device=state.slot.device), settings_i)
+            self.keys[row], self.first[row], self.limits[row] = key, state.pointer - width, limit
+            self.generators[row] = generator
+        self.layout += 1
 
+    def release(self, keys) -> None:
+        """Free the rows of the sequences `keys` (ended or cancelled); move the rest to a smaller state when a
+        smaller one holds them."""
+        rows = [row for row, key in enumerate(self.keys) if key in set(keys)]
+        if not rows:
+            return
+        self.state.ended[torch.tensor(rows, device=self.state.slot.device)] = True
+        for row in rows:
+            self.keys[row], self.generators[row] = None, None
+        self.layout += 1
+        running = len(self.running)
+        if not running:
+            self.close()
+        elif self._bucket(running) < self.state.batch:
+            self._move()
 
-def frame_states(model) -> FrameStates:
-    """The model's `FrameStates`, rebuilt when its parameters were replaced or moved since the last call."""
-    states = getattr(model, "_frame_states", None)
-    if states is None or states.fingerprint != FrameStates.model_fingerprint(model):
-        states = model._frame_states = FrameStates(model)
-    return states
+    def close(self) -> None:
+        """Drop the state (kept for later calls where the runner keeps states)."""
+        self._let_go(self.state)
+        self.state, self.keys, self.first, self.limits, self.generators = None, [], [], [], []
+        self.layout += 1
+
+    # -- the step -------------------------------------------------------------------------------------------------
+
+    def _compiled(self, state: FrameState):
+        """`state.step` compiled by torch.compile with the runner's backend, kept on the state."""
+        if state.compiled.get(self.compile_backend) is None:
+            state.compiled[self.compile_backend] = torch.compile(state.step, fullgraph=True, dynamic=False,
+                                                                 backend=self.compile_backend)
+        return state.compiled[self.compile_backend]
+
+    def make_room(self) -> None:
+        """Move the sequences into a state with more slots if the next step's row does not fit (before a step)."""
+        if self.state.pointer + 1 > self.state.capacity:
+            self._move()
+
+    def step(self, main_logits_hook=None) -> None:
+        """One frame for every running sequence (`state.new_rows`, `state.made`, `state.ended` then hold it)."""
+        self.make_room()
+        state = self.state
+        visible = self._window(state.pointer + 1)
+        function = self._compiled(state) if self.compile_backend else state.step
+        state.sampler.fill_noise(state.noise, self.shared_generator if self.one_stream else self.generators)
+        if self.graphs:
+            key = (state.sampler.key, visible)
+            if key not in state.graphs:
+                state.graphs[key] = self.kept.graphs.capture(self.model, lambda: function(visible), state.hidden.device)
+            state.graphs[key].replay()
+        else:
+            function(visible, main_logits_hook)
+        state.pointer += 1
+
+    def finished(self) -> list[tuple]:
+        """`(key, frames, at_limit)` of the sequences that have ended (EOS, their frame limit, or `stop`): one host
+        read of the state's flags."""
+        rows, keys = self.rows()
+        if not rows:
+            return []
+        flags = torch.stack((self.state.ended.long(), self.state.count), 1).cpu()  # [b, 2]
+        return [(key, int(flags[row, 1]), int(flags[row, 1]) >= self.limits[row])
+                for row, key in zip(rows, keys) if bool(flags[row, 0])]
+
+    def stop(self, keys) -> None:
+        """End the sequences `keys` at this frame (they are reported by `finished`)."""
+        rows = [row for row, key in enumerate(self.keys) if key in set(keys)]
+        if rows:
+            self.state.ended[torch.tensor(rows, device=self.state.slot.device)] = True
 
 
 def check_cuda_graphs(model) -> None:
@@ -151,7 +312,8 @@ def request_generators(seed, generator, batch: int, device: torch.device):
 
 
 class FrameLoop:
-    """One `generate` call after its prefill: the running batch, its state, outputs, streaming and stopping."""
+    """One `generate` call after its prefill: the whole batch admitted into a `FrameRunner` at once, its outputs,
+    streaming, stopping criteria and the retirement of finished sequences."""
 
     def __init__(self, model, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
                  stopping_criteria):
@@ -162,7 +324,6 @@ class FrameLoop:
         self.limit = model.config.text_config.max_position_embeddings
         # Frames this call can make: max_new_tokens, or up to the context (the last frame is not fed back).
         self.frames = min(settings.max_new_tokens, self.limit - self.rows + 1)
-        self.positions = model.row_positions(attention_mask)  # [B, T]
         self.input_ids, self.attention_mask = input_ids, attention_mask
         # Prompt rows then the generated rows, grown in chunks (`_room`).
         self.sequences = torch.cat((input_ids, input_ids.new_zeros(batch, min(self.frames, OUTPUT_CHUNK_FRAMES), width)), 1)
@@ -170,7 +331,6 @@ class FrameLoop:
         self.finish_reason: list[str | None] = [None] * batch
         self.stopped: set[int] = set()  # sequences a stopping criterion ended
         self.scores: list[torch.Tensor] = []
-        self.sampler = FrameSampler(settings)
         self.graphs = settings.fast_decode and model.input_device.type == "cuda"
         if self.graphs and logits_processor:
             logger.warning_once("a logits_processor runs in Python between the step's parts: the frame step runs "
@@ -182,10 +342,7 @@ class FrameLoop:
         self.need_scores = settings.output_scores or bool(stopping_criteria)
         # Calls that look at every frame on the host anyway also retire finished sequences at every frame.
         self.check_every = 1 if streamer is not None or logits_processor or stopping_criteria else settings.stop_check_interval
-
-    def _bucket(self, running: int) -> int:
-        """Rows of a state for `running` sequences: a power of two with CUDA graphs (few graphs), else exact."""
-        return 1 << max(running - 1, 0).bit_length() if self.graphs else running
+        self._index_layout, self._rows, self._keys = None, None, None
 
     def _room(self, step: int) -> None:
         """Make sure the output buffer has a column for frame `step`."""
@@ -193,142 +350,107 @@ class FrameLoop:
             more = min(OUTPUT_CHUNK_FRAMES, self.frames - step)
             self.sequences = torch.cat((self.sequences, self.sequences.new_zeros(self.sequences.shape[0], more, self.sequences.shape[2])), 1)
 
+    def _index(self, runner: FrameRunner) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """State rows `[n]` of the running sequences and their batch indexes `[n]` (device tensors, cached)."""
+        if self._index_layout != runner.layout:
+            rows, keys = runner.rows()
+            device = runner.state.slot.device
+            self._rows, self._keys, self._members = torch.tensor(rows, device=device), torch.tensor(keys, device=device), keys
+            self._index_layout = runner.layout
+        return self._rows, self._keys, self._members
+
     def run(self, on_step) -> None:
-        states = frame_states(self.model)
-        with states.in_use(keep=self.graphs):
-            self._run(states, on_step)
+        kept = kept_states(self.model) if self.graphs else None
+        with kept.in_use() if kept is not None else contextlib.nullcontext():
+            runner = FrameRunner(self.model, self.graphs, self.compile_backend, self.need_scores, kept)
+            try:
+                self._run(runner, on_step)
+            finally:
+                runner.close()
 
-    def _row_generators(self, members: list[int], batch: int):
-        if not isinstance(self.generators, list):
-            return self.generators
-        return [self.generators[i] for i in members] + [None] * (batch - len(members))
-
-    def _main_logits_hook(self):
+    def _main_logits_hook(self, runner: FrameRunner):
         """The hook running the user's logits processors inside a step, on the whole batch's view (None without any):
-        rows of sequences not in the state are zeros."""
+        rows of sequences not running are zeros."""
         if not self.logits_processor:
             return None
 
         def hook(logits: torch.Tensor) -> torch.Tensor:  # [state rows, V + 1]
-            count = len(self.members)
+            rows, keys, _ = self._index(runner)
             full = logits.new_zeros(len(self.lengths), logits.shape[1])  # [B, V + 1]
-            full[self.member_index] = logits[:count]
+            full[keys] = logits[rows]
             processed = self.logits_processor(self.sequences[:, : self.rows + self.step], full)
             out = logits.clone()
-            out[:count] = processed[self.member_index].to(out.dtype)
+            out[rows] = processed[keys].to(out.dtype)
             return out
 
         return hook
 
-    def _run(self, states: FrameStates, on_step) -> None:
-        prefill, settings = self.prefill, self.settings
-        cap = row_limit(self.limit)
-
-        def runner(state: FrameState, visible: int):
-            return states.runner(state, self.sampler, visible, self.graphs, self._main_logits_hook(), self.compile_backend)
-
-        # A RAS window longer than a request's rows sees all of them: the buffer never needs more than the context.
-        ras_window = min(settings.ras_window, self.limit)
-
-        def state_for(batch: int, capacity: int, template) -> FrameState:
-            return states.state(batch, capacity, ras_window, template, self.need_scores)
-
-        def window(rows: int) -> int:
-            """Rows a step attends over when `rows` are in use: a captured or compiled step keeps its shape for a
-            while (`attention_window`: a few distinct shapes, so few graphs and compilations); an eager one reads
-            exactly the rows in use."""
-            return attention_window(rows, cap) if self.graphs or self.compile_backend else rows
-
+    def _run(self, runner: FrameRunner, on_step) -> None:
         batch = len(self.lengths)
-        visible = window(self.rows + 1)  # rows in use after the first step
-        state = state_for(self._bucket(batch), attention_window(self.rows + 1, cap), prefill.cache)
-        self.members = list(range(batch))  # original index of state row i, for the first len(members) rows
-        self.member_index = torch.arange(batch, device=state.slot.device)
+        generators = self.generators if isinstance(self.generators, list) else [None] * batch
+        if not isinstance(self.generators, list):
+            runner.one_stream, runner.shared_generator = True, self.generators
+        settings = [self.settings] * batch
+        runner.admit(list(range(batch)), self.prefill, self.input_ids, self.attention_mask, settings, generators,
+                     [self.frames] * batch)
+        hook = self._main_logits_hook(runner)
         self.step = 0
-        run = runner(state, visible)  # before loading: a first capture overwrites the state (see `runner`)
-        state.load_prefill(
-            prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], self.input_ids, self.positions,
-            self.attention_mask, ras_window,
-        )
         for step in range(self.frames):
             self.step = step
-            rows = self.rows + step + 1  # this step's new row is row rows - 1
-            if rows > state.capacity:  # grow: the same sequences in a state with room for the next window
-                bigger = state_for(state.batch, attention_window(rows, cap), state.cache)
-                run = runner(bigger, window(rows))
-                bigger.load_from(state, torch.arange(state.batch, device=state.slot.device))
-                state = bigger
-            elif window(rows) != visible:
-                run = runner(state, window(rows))
-            visible = window(rows)
-            self.sampler.fill_noise(state.noise, self._row_generators(self.members, state.batch))
-            ended_before = state.ended[: len(self.members)].clone() if state.scores is not None else None
-            run()
-            self._record(state, step, ended_before)
+            runner.make_room()
+            ended_before = runner.state.ended.clone() if runner.state.scores is not None else None
+            runner.step(hook)
+            self._record(runner, step, ended_before)
             on_step(1)
             if step + 1 == self.frames or (step + 1) % self.check_every:
                 continue
-            running = self._retire(state, None)  # the one host sync of the interval
-            if not running:
+            self._retire(runner, runner.finished())  # the one host sync of the interval
+            if not runner.running:
                 break
-            if self._bucket(len(running)) < state.batch:  # shrink: the running sequences move to a smaller state
-                keep = torch.tensor([self.members.index(i) for i in running], device=state.slot.device)
-                smaller = state_for(self._bucket(len(running)), state.capacity, state.cache)
-                run = runner(smaller, visible)
-                smaller.load_from(state, keep)
-                state = smaller
-                self.members, self.member_index = running, torch.tensor(running, device=state.slot.device)
-            # Otherwise the ended sequences stay in the state, as ended rows, until the bucket shrinks.
-        self._retire(state, FINISH_LENGTH if self.frames == settings.max_new_tokens else FINISH_CONTEXT)
+        self._retire(runner, runner.finished())
         # Scores of the steps that decided something: up to each sequence's last frame, and its EOS step.
         decided = [n + (reason == FINISH_EOS) for n, reason in zip(self.lengths, self.finish_reason)]
         del self.scores[max(decided, default=0) :]
 
-    def _record(self, state: FrameState, step: int, ended_before: torch.Tensor | None) -> None:
+    def _record(self, runner: FrameRunner, step: int, ended_before: torch.Tensor | None) -> None:
         """Write the step's frames into the outputs; stream them; run the stopping criteria; keep the scores (of the
         sequences that had not ended before this step)."""
-        members, member_index = self.members, self.member_index
-        count = len(members)
+        state = runner.state
+        rows, keys, members = self._index(runner)
         self._room(step)
-        made = ~state.ended[:count]  # [n] a frame was made (not EOS, not ended before)
-        rows = state.new_rows[:count]
-        self.sequences[member_index, self.rows + step] = torch.where(made[:, None], rows, 0)
+        made = state.made[rows]  # [n] a frame was made (not EOS, not ended before)
+        new_rows = state.new_rows[rows]
+        self.sequences[keys, self.rows + step] = torch.where(made[:, None], new_rows, 0)
         scores = None
         if state.scores is not None:
             scores = state.scores.new_zeros(len(self.lengths), state.scores.shape[1])  # [B, V + 1]
-            scores[member_index.to(scores.device)] = state.scores[:count].masked_fill(ended_before[:, None].to(scores.device), 0)
+            kept = state.scores[rows.to(scores.device)].masked_fill(ended_before[rows].to(scores.device)[:, None], 0)
+            scores[keys.to(scores.device)] = kept
             if self.settings.output_scores:
                 self.scores.append(scores)
         if self.streamer is not None and bool(made.any()):
-            codes = rows.new_full((len(self.lengths), rows.shape[1] - 1), -1)  # [B, NCB]
-            codes[member_index] = torch.where(made[:, None], rows[:, 1:], -1)
+            codes = new_rows.new_full((len(self.lengths), new_rows.shape[1] - 1), -1)  # [B, NCB]
+            codes[keys] = torch.where(made[:, None], new_rows[:, 1:], -1)
             self.streamer.put(codes)
         if self.stopping_criteria:
             stop = self.stopping_criteria(self.sequences[:, : self.rows + step + 1], scores)
-            stop = torch.as_tensor(stop, device=made.device).expand(len(self.lengths))[member_index] & made
+            stop = torch.as_tensor(stop, device=made.device).expand(len(self.lengths))[keys] & made
             if bool(stop.any()):
-                stopping = stop.nonzero()[:, 0]
-                state.ended[stopping] = True
-                self.stopped.update(members[i] for i in stopping.tolist())
+                stopping = [members[i] for i in stop.nonzero()[:, 0].tolist()]
+                runner.stop(stopping)
+                self.stopped.update(stopping)
 
-    def _retire(self, state: FrameState, reason_for_running: str | None) -> list[int]:
-        """Record the lengths and finish reasons of sequences that ended (of all, with `reason_for_running` for those
-        still running); returns the ones still running."""
-        members = self.members
-        ended = state.ended[: len(members)].tolist()
-        counts = state.count[: len(members)].tolist()
-        running = []
-        for original, has_ended, count in zip(members, ended, counts):
-            if has_ended or reason_for_running is not None:
-                self.lengths[original] = count
-                if original in self.stopped:
-                    self.finish_reason[original] = FINISH_STOP
-                else:
-                    self.finish_reason[original] = FINISH_EOS if has_ended else reason_for_running
+    def _retire(self, runner: FrameRunner, finished: list[tuple]) -> None:
+        """Record the lengths and finish reasons of the sequences that ended, and free their rows."""
+        limit_reason = FINISH_LENGTH if self.frames == self.settings.max_new_tokens else FINISH_CONTEXT
+        for key, frames, at_limit in finished:
+            self.lengths[key] = frames
+            if key in self.stopped:
+                self.finish_reason[key] = FINISH_STOP
             else:
-                running.append(original)
-        return running
+                self.finish_reason[key] = limit_reason if at_limit else FINISH_EOS
+        runner.release([key for key, _, _ in finished])
 
 
-__all__ = ["FINISH_CONTEXT", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "FrameLoop", "FrameStates",
-           "check_cuda_graphs", "frame_states", "request_generators"]
+__all__ = ["FINISH_CONTEXT", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "FrameLoop", "FrameRunner", "KeptStates",
+           "check_cuda_graphs", "kept_states", "request_generators"]

@@ -11,10 +11,17 @@ outputs. `FrameState.step` never changes a shape, never reads a value back to th
 in place. The same step runs everywhere: eagerly on a CPU or under accelerate offload, and captured once as a CUDA
 graph and replayed (`cuda_graphs.py`) on a GPU.
 
-Attention reads a window of the cache rows (`attention_window`: 256 rows doubled until the rows in use fit), so a
-step costs about what the request uses, with a handful of distinct shapes. A state's capacity is the largest window
-it has needed: it starts small and, as a request gets longer, its sequences move into a bigger state
-(`FrameState.load_from`), so memory follows the rows actually generated, never the `max_new_tokens` a caller asks for.
+Slots: every sequence of a state writes its next row at the same cache slot (transformers' static layers keep one
+row counter per layer). A sequence admitted between two frames (`FrameState.admit`) has its prompt rows copied so
+that they end right before that slot, with the slots before them masked as left padding is; its positions are its
+own, so it computes what it computes alone. Rows of sequences that ended stay in the state as ended rows until the
+runner (frame_runner.py) moves the running ones to a smaller state.
+
+Attention reads a window of the cache slots (`attention_window`: 256 slots doubled until the slots in use fit), so a
+step costs about what its sequences use, with a handful of distinct shapes. A state's capacity is the largest window
+it has needed: it starts small and, as its sequences get longer, they move into a bigger state (`FrameState.take`,
+which also drops the slots no running sequence uses any more), so memory follows the rows actually generated, never
+the `max_new_tokens` a caller asks for.
 """
 
 from __future__ import annotations
@@ -66,29 +73,35 @@ class WindowedStaticLayer(StaticLayer):
         return self.visible_rows, 0
 
 
-def _rows_held(layer) -> int:
-    """Rows held by a cache layer with keys (dynamic, static or tower), as a Python int."""
-    return int(layer.get_seq_length())
+def rows_held(layer) -> int:
+    """Rows held by a cache layer with keys (dynamic, static or tower), as a Python int (0 for an empty layer)."""
+    return int(layer.get_seq_length()) if getattr(layer, "keys", None) is not None else 0
 
 
-def copy_cache_rows(target: Cache, source: Cache, index: torch.Tensor) -> None:
-    """Copy the sequences `index` `[b]` of `source` into the preallocated layers of `target` (batch b), in place.
+def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, shift: int) -> None:
+    """Copy the sequences `source_index` `[n]` of `source` into rows `target_index` `[n]` of `target`'s
+    preallocated layers, in place, moving every cached row by `shift` slots.
 
-    `source` may be dynamic (the prefill's caches) or static (another state): attention layers copy their valid rows
-    and set the row counter, linear-attention layers their conv and recurrent states.
+    `source` may be dynamic (a prefill's caches) or static (another state). Attention layers copy their rows
+    `[max(0, -shift), held)` to `[.. + shift, held + shift)` and set the row counter to `held + shift` (the counter is
+    shared by all the rows of a layer: a state's sequences end at the same slot, whatever their lengths);
+    linear-attention layers copy their conv and recurrent states.
     """
     for target_layer, layer in zip(target.layers, source.layers):
         if isinstance(target_layer, StaticLayer):
-            rows = _rows_held(layer) if getattr(layer, "keys", None) is not None else 0  # 0: an empty layer
-            if rows:
-                source_index = index.to(layer.keys.device)
-                target_layer.keys[:, :, :rows].copy_(layer.keys[:, :, :rows].index_select(0, source_index))
-                target_layer.values[:, :, :rows].copy_(layer.values[:, :, :rows].index_select(0, source_index))
-            target_layer.cumulative_length.fill_(rows)
+            held, start = rows_held(layer), max(0, -shift)
+            if held > start:
+                index = source_index.to(layer.keys.device)
+                into = target_index.to(target_layer.keys.device)
+                for name in ("keys", "values"):
+                    rows = getattr(layer, name)[:, :, start:held].index_select(0, index)  # [n, KV, rows, hd]
+                    getattr(target_layer, name)[:, :, start + shift : held + shift].index_copy_(0, into, rows)
+            target_layer.cumulative_length.fill_(held + shift)
         for name in ("conv_states", "recurrent_states"):
             for state_idx, state in getattr(layer, name, {}).items():
                 if state is not None:
-                    getattr(target_layer, name)[state_idx].copy_(state.index_select(0, index.to(state.device)))
+                    into = getattr(target_layer, name)[state_idx]
+                    into.index_copy_(0, target_index.to(into.device), state.index_select(0, source_index.to(state.device)))
 
 
 def allocate_like(target: Cache, source: Cache, batch: int) -> None:
@@ -129,7 +142,9 @@ class FrameState:
     """Everything one frame step reads and writes, at fixed addresses, for `batch` sequences and `capacity` rows.
 
     The backbone's layers take their shapes, dtypes and devices from `template`, a filled backbone cache (the
-    prefill's, or another state's). Sequences come in with `load_prefill` or `load_from`.
+    prefill's, or another state's). Every row starts free (ended); sequences come in between two steps with `admit`
+    (from a prefill, into free rows) or `take` (from another state, when the runner moves them to a state of
+    another size).
     """
 
     def __init__(self, model, batch: int, capacity: int, ras_window: int, template: Cache, scores: bool = False):
@@ -140,7 +155,7 @@ class FrameState:
         self.candidates = model.main_candidate_ids(head_device)  # [V + 1]
         num_candidates = self.candidates.numel()
         hidden_size = config.text_config.hidden_size
-        # The V + 1 candidate rows of lm_head, copied again at every request (`load_prefill`): the head's other ~248k
+        # The V + 1 candidate rows of lm_head, copied again at every admission (`admit`): the head's other ~248k
         # rows are never read. None for a quantised or offloaded lm_head, which runs whole in `model.main_logits`.
         self.head_weight = model.candidate_head_weight(self.candidates)  # [V + 1, D]
 
@@ -164,11 +179,15 @@ class FrameState:
         self.row = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] the last row
         self.position = torch.zeros(batch, **long)  # [b] the last row's position
         self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # [b, C] slots holding real rows
-        self.slot = torch.zeros(1, **long)  # the backbone slot of the next row
+        self.slot = torch.zeros(1, **long)  # the backbone slot of the next row (the same for every sequence)
+        self.pointer = 0  # `slot` as the host knows it: the runner counts the steps it runs
         self.history = torch.full((batch, ras_window), -1, dtype=torch.long, device=head_device)  # [b, W] RAS window
         self.noise = torch.zeros(batch, config.num_codebooks, num_candidates, device=head_device)  # [b, NCB, V + 1]
-        self.ended = torch.zeros(batch, dtype=torch.bool, device=device)  # [b] EOS drawn, stopped, or a padding row
+        self.ended = torch.ones(batch, dtype=torch.bool, device=device)  # [b] EOS, limit, stopped, or a free row
+        self.made = torch.zeros(batch, dtype=torch.bool, device=device)  # [b] the last step made a frame
         self.count = torch.zeros(batch, **long)  # [b] frames produced
+        self.frame_limit = torch.zeros(batch, **long)  # [b] frames a sequence may make (max_new_tokens, context)
+        self.sampler = FrameSampler(batch, ras_window, head_device)  # per-row sampling settings
         self.new_rows = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] output of the step
         # [b, V + 1] the step's main-token logits (after any hook), for `output_scores` and stopping criteria.
         self.scores = torch.zeros(batch, num_candidates, device=head_device) if scores else None
@@ -176,56 +195,69 @@ class FrameState:
         self.compiled: dict[str, object] = {}  # `step` compiled by torch.compile, per backend
 
     # ------------------------------------------------------------------------------------------------------------
-    # Loading sequences
+    # Sequences in and out
     # ------------------------------------------------------------------------------------------------------------
 
-    def _padded(self, index: torch.Tensor) -> torch.Tensor:
-        """`index` `[n]` padded to `[batch]` with its first entry (padding rows copy a real sequence)."""
-        return torch.cat((index, index[:1].expand(self.batch - index.numel())))
+    def start_at(self, pointer: int) -> None:
+        """Set the slot of the next row of an empty state: admitted sequences end just before it."""
+        self.pointer = pointer
+        self.slot.fill_(pointer)
+        self.ended.fill_(True)
 
-    def _load_rows(self, index, cache, tower_cache, hidden, row, position, valid, history, ended, count, slot: int):
-        members = index.numel()
-        index = self._padded(index)
-        copy_cache_rows(self.cache, cache, index)
-        copy_cache_rows(self.tower_cache, tower_cache, index)
-        self.valid.zero_()
-        self.valid[:, :slot].copy_(valid[:, :slot].index_select(0, index.to(valid.device)))
-        self.hidden.copy_(hidden.index_select(0, index.to(hidden.device)))
-        self.row.copy_(row.index_select(0, index.to(row.device)))
-        self.position.copy_(position.index_select(0, index.to(position.device)))
-        self.history.fill_(-1)
-        if self.ras_window:
-            history = history[:, -self.ras_window :]
-            self.history[:, self.ras_window - history.shape[1] :].copy_(history.index_select(0, index.to(history.device)))
-        self.ended.copy_(ended.index_select(0, index.to(ended.device)))
-        self.ended[members:] = True
-        self.count.copy_(count.index_select(0, index.to(count.device)))
-        self.slot.fill_(slot)
+    def admit(self, rows, prefill, input_ids, positions, mask, frame_limits) -> None:
+        """Take the sequences of a prefill into the state's rows `rows` `[n]` (rows no running sequence holds).
 
-    def load_prefill(self, cache: Cache, tower_cache: Cache, hidden, rows, positions, mask, ras_window: int) -> None:
-        """Take every sequence of a prefill: its caches, last hidden state `[B, D]`, prompt `rows [B, T, 1 + NCB]`,
-        `positions [B, T]` and row mask `[B, T]` (1 = real row)."""
-        batch, slots = rows.shape[:2]
+        `prefill`: the prefill's output (its caches and `last_hidden_state`); `input_ids` its prompt rows
+        `[n, T, 1 + NCB]`, `positions` `[n, T]`, `mask` `[n, T]` (1 = a real row), `frame_limits` `[n]` the most
+        frames each may make. The prompt's rows land right before the state's next slot (T <= `pointer`), so that a
+        sequence admitted between two frames ends at the same slot as the running ones; the slots before it are
+        masked, as left padding is.
+        """
+        count, width = input_ids.shape[:2]
+        if width > self.pointer:
+            raise ValueError(f"a prompt of {width} rows does not fit before slot {self.pointer}")
+        shift = self.pointer - width
+        source = torch.arange(count, device=self.slot.device)
+        rows = rows.to(self.slot.device)
+        copy_cache_rows(self.cache, prefill.cache, source, rows, shift)
+        copy_cache_rows(self.tower_cache, prefill.tower_cache, source, rows, shift)
+        self.valid.index_fill_(0, rows, False)
+        self.valid[:, shift : self.pointer].index_copy_(0, rows, mask.bool().to(self.valid.device))
         model = self.model
-        main = rows[..., 0]
+        self.hidden.index_copy_(0, rows.to(self.hidden.device), prefill.last_hidden_state[:, -1].to(self.hidden.dtype))
+        self.row.index_copy_(0, rows, input_ids[:, -1].to(self.row.device))
+        self.position.index_copy_(0, rows, positions[:, -1].to(self.position.device))
         # RAS window: the last prompt rows' main ids as candidate columns (-1 for text rows).
+        main = input_ids[:, -min(width, self.ras_window) :, 0] if self.ras_window else input_ids[:, :0, 0]
         columns = torch.where(model.is_audio_row(main), main - model.config.semantic_start_token_id + 1, -1)
-        history = columns[:, max(slots - ras_window, 0) :] if ras_window else columns[:, :0]
-        index = torch.arange(batch, device=self.slot.device)
-        zeros = torch.zeros(batch, dtype=torch.long, device=self.slot.device)
-        self._load_rows(
-            index, cache, tower_cache, hidden, rows[:, -1], positions[:, -1], mask.bool(), history, zeros.bool(),
-            zeros, slots,
-        )
-        if self.head_weight is not None:  # refreshed every request: the weights may have changed in place
+        history = torch.full((count, self.ras_window), -1, dtype=torch.long, device=self.history.device)
+        history[:, self.ras_window - columns.shape[1] :] = columns.to(history.device)
+        self.history.index_copy_(0, rows.to(self.history.device), history)
+        self.ended.index_fill_(0, rows, False)
+        self.count.index_fill_(0, rows, 0)
+        self.frame_limit.index_copy_(0, rows, torch.as_tensor(frame_limits, dtype=torch.long).to(self.slot.device))
+        if self.head_weight is not None:  # refreshed at every admission: the weights may have changed in place
             self.head_weight.copy_(model.candidate_head_weight(self.candidates))
 
-    def load_from(self, other: FrameState, keep: torch.Tensor) -> None:
-        """Take the sequences `keep` `[n]` (n <= batch) of another state, in that order."""
-        self._load_rows(
-            keep, other.cache, other.tower_cache, other.hidden, other.row, other.position, other.valid, other.history,
-            other.ended, other.count, int(other.slot),
-        )
+    def take(self, other: FrameState, keep, shift: int) -> None:
+        """Take the sequences in rows `keep` `[n]` of another state into rows `[0, n)`, every cached row moved by
+        `shift` slots (negative: towards slot 0, over slots no sequence of `keep` uses); the other rows end."""
+        count = keep.numel()
+        keep = keep.to(self.slot.device)
+        into = torch.arange(count, device=self.slot.device)
+        self.start_at(other.pointer + shift)
+        copy_cache_rows(self.cache, other.cache, keep, into, shift)
+        copy_cache_rows(self.tower_cache, other.tower_cache, keep, into, shift)
+        start = max(0, -shift)
+        self.valid.zero_()
+        self.valid[:count, start + shift : self.pointer].copy_(other.valid[:, start : other.pointer].index_select(0, keep))
+        for name in ("hidden", "row", "position", "ended", "count", "frame_limit"):
+            getattr(self, name)[:count].copy_(getattr(other, name).index_select(0, keep.to(getattr(other, name).device)))
+        self.history.fill_(-1)
+        width = min(self.ras_window, other.ras_window)
+        if width:
+            self.history[:count, self.ras_window - width :].copy_(other.history[:, other.ras_window - width :].index_select(0, keep.to(other.history.device)))
+        self.sampler.copy_rows(other.sampler, keep)
         if self.head_weight is not None:
             self.head_weight.copy_(other.head_weight)
 
@@ -237,8 +269,8 @@ class FrameState:
         """Main-token logits `[b, V + 1]` (float32) of the last hidden states."""
         return self.model.main_logits(self.hidden, self.candidates, self.head_weight).float()
 
-    def step(self, sampler: FrameSampler, visible: int, main_logits_hook: MainLogitsHook | None = None) -> None:
-        """One frame for every sequence of the state, in place: writes `new_rows`, advances every buffer.
+    def step(self, visible: int, main_logits_hook: MainLogitsHook | None = None) -> None:
+        """One frame for every sequence of the state, in place: writes `new_rows` and `made`, advances every buffer.
 
         Attention reads the first `visible` cache rows, which must hold every row in use after this step
         (`attention_window`). `main_logits_hook` (eager steps only) may change the main-token logits before the draw.
@@ -252,7 +284,8 @@ class FrameState:
             logits = main_logits_hook(logits)
         if self.scores is not None:
             self.scores.copy_(logits)
-        noise = self.noise if sampler.do_sample else None
+        sampler = self.sampler
+        noise = self.noise
         column = sampler.main(logits, self.history, noise)  # [b] candidate column (0 = EOS)
         main = self.candidates[column]  # [b] token ids
 
@@ -270,8 +303,10 @@ class FrameState:
         )  # [b, NCB]
         if self.ras_window:
             self.history.copy_(torch.cat((self.history[:, 1:], column[:, None]), dim=1))
-        self.ended.logical_or_((column == 0).to(self.ended.device))
-        self.count.add_((~self.ended).long())
+        made = ~self.ended & (column != 0).to(self.ended.device)  # [b] a frame (not EOS, not ended before)
+        self.made.copy_(made)
+        self.count.add_(made.long())
+        self.ended.logical_or_((column == 0).to(self.ended.device) | (self.count >= self.frame_limit))
         new_rows = torch.cat((main[:, None].to(codes.device), codes), dim=1).to(self.new_rows.device)  # [b, 1 + NCB]
         self.new_rows.copy_(new_rows)
 

@@ -170,7 +170,7 @@ class Drama3GenerationMixin(GenerationMixin):
     def reset_frame_states(self) -> None:
         """Free the frame states and captured CUDA graphs that `generate(..., fast_decode=True)` keeps on a CUDA
         device for later calls (they are rebuilt on the next such call)."""
-        self._frame_states = None
+        self._kept_frame_states = None
 
     @torch.no_grad()
     def generate(

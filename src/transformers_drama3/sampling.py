@@ -117,9 +117,13 @@ class FrameSampler:
     `do_sample=False` every draw is an argmax and no noise is used.
     """
 
-    def __init__(self, settings):
+    def __init__(self, rows: int, ras_window: int, device):
+        # TEMPORARY (until per-row tensors land): one settings object for all rows.
+        self.do_sample, self.key, self.settings = False, (False,), None
+
+    def set_rows(self, index, settings) -> None:
+        self.settings = settings
         self.do_sample = settings.do_sample
-        # top-k 0 or None: no limit (transformers' convention for 0).
         self.main_processor = RepetitionAwareLogitsProcessor(
             TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
             TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
@@ -129,9 +133,11 @@ class FrameSampler:
         self.codebook_warper = TopKTopPWarper(
             settings.codebook_temperature, codebook_top_k, settings.codebook_top_p, keep_crossing=False
         )
-        # What a captured frame step bakes in: one CUDA graph per distinct key (a state has one RAS window already).
-        settings_key = tuple(getattr(settings, name) for name in SAMPLING_SETTINGS) if self.do_sample else ()
-        self.key = (self.do_sample, *settings_key)
+        self.key = (self.do_sample,)
+
+    def copy_rows(self, other, index) -> None:
+        if other.settings is not None:
+            self.set_rows(None, other.settings)
 
     def fill_noise(self, noise: torch.Tensor, generators: torch.Generator | list | None) -> None:
         """Fill `noise` `[b, NCB, V + 1]` with one frame's uniforms, in place (nothing to do when greedy).

@@ -1,0 +1,153 @@
+"""Continuous batching (`Drama3Engine`): requests admitted between frames get the frames they get alone.
+
+The reference of every comparison is `generate` on the request alone (batch 1), an independent path: it prefills
+and admits the whole batch at once, and its sequence sits at slot 0 of a state of its own. The engine's sequences sit
+in rows of a shared state, at slots shifted to end with the running ones, next to other sequences with other
+settings. Codes are compared exactly: the golden tiny model runs in float64, where the differences that batching and
+shifting can make (summation order over masked slots whose weights are exactly zero, and over rows computed in one
+matrix product) are ~1e-16 relative, far below the smallest gap between two logits that decides a draw here (the
+greedy and seeded runs below are checked against `generate`, so a flip would show as a failure, not pass unseen).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3.engine import Drama3Engine
+
+from .conftest import GOLDEN_TINY
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float64)
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts(expected):
+    """Three prompts of different lengths (10, 6 and 14 rows)."""
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    return [a[:10], b[:6], torch.cat((b[:4], a[:10]))]
+
+
+def alone(model, rows, **settings):
+    out = model.generate(rows[None], output_audio=False, **settings)
+    return out.codes[0], out.finish_reason[0]
+
+
+def test_requests_admitted_mid_flight_get_their_frames_alone(model, prompts):
+    """A greedy request, then a sampled one admitted after 3 frames, then one with other settings after 5: each
+    gives the codes and finish reason of `generate` alone with its settings and seed."""
+    requests = [
+        dict(do_sample=False, max_new_tokens=20),
+        dict(seed=7, max_new_tokens=18),
+        dict(seed=3, temperature=0.7, top_p=0.8, top_k=20, ras_window=4, codebook_temperature=0.9, max_new_tokens=16),
+    ]
+    engine = Drama3Engine(model, max_batch=4)
+    ids = [engine.add_request(prompts[0], **requests[0])]
+    for _ in range(3):
+        engine.step()
+    ids.append(engine.add_request(prompts[1], **requests[1]))
+    for _ in range(2):
+        engine.step()
+    ids.append(engine.add_request(prompts[2], **requests[2]))
+    results = [engine.get_result(request_id) for request_id in ids]
+    for rows, settings, result in zip(prompts, requests, results):
+        codes, reason = alone(model, rows, **settings)
+        assert result.finish_reason == reason
+        assert torch.equal(result.codes, codes)
+    assert engine.running == 0 and engine.queued == 0 and not engine.requests
+
+
+def test_a_long_prompt_admitted_after_short_ones_moves_them_and_all_keep_their_frames(model, prompts, expected):
+    """A prompt longer than the slots in use makes the runner move the running sequences to later slots."""
+    long_prompt = torch.cat([expected["prompt_b_rows"]] * 3)[:40]
+    engine = Drama3Engine(model, max_batch=2)
+    first = engine.add_request(prompts[1], do_sample=False, max_new_tokens=12)
+    engine.step()
+    second = engine.add_request(long_prompt, do_sample=False, max_new_tokens=12)
+    for request_id, rows in ((first, prompts[1]), (second, long_prompt)):
+        codes, reason = alone(model, rows, do_sample=False, max_new_tokens=12)
+        result = engine.get_result(request_id)
+        assert (result.finish_reason, result.prompt_rows) == (reason, rows.shape[0])
+        assert torch.equal(result.codes, codes)
+
+
+def test_max_batch_queues_the_rest_and_admits_them_as_rows_free(model, prompts):
+    engine = Drama3Engine(model, max_batch=2)
+    ids = [engine.add_request(rows, do_sample=False, max_new_tokens=6) for rows in prompts]
+    engine.step()
+    assert engine.running == 2 and engine.queued == 1
+    results = {request_id: engine.get_result(request_id) for request_id in ids}
+    for rows, request_id in zip(prompts, ids):
+        assert torch.equal(results[request_id].codes, alone(model, rows, do_sample=False, max_new_tokens=6)[0])
+
+
+def test_cancel_while_waiting_and_while_running(model, prompts):
+    engine = Drama3Engine(model, max_batch=1)
+    running = engine.add_request(prompts[0], do_sample=False, max_new_tokens=30)
+    waiting = engine.add_request(prompts[1], do_sample=False, max_new_tokens=30)
+    for _ in range(4):
+        engine.step()
+    engine.cancel_request(waiting)
+    engine.cancel_request(running)
+    engine.step()
+    cancelled_running, cancelled_waiting = engine.get_result(running), engine.get_result(waiting)
+    assert cancelled_running.finish_reason == cancelled_waiting.finish_reason == "cancelled"
+    assert cancelled_running.frames == 4 and cancelled_waiting.frames == 0
+    full = alone(model, prompts[0], do_sample=False, max_new_tokens=30)[0]
+    assert torch.equal(cancelled_running.codes, full[:, :4])  # the frames made before the cancel
+    assert engine.running == 0 and not engine.requests
+    engine.cancel_request("no-such-request")  # ignored
+
+
+def test_a_thread_streams_frames_and_callbacks_see_each_frame(model, prompts):
+    frames, finished = [], threading.Event()
+    with Drama3Engine(model, max_batch=2) as engine:
+        streamed = engine.add_request(prompts[0], do_sample=False, max_new_tokens=9, streaming=True)
+        called = engine.add_request(prompts[1], seed=1, max_new_tokens=9,
+                                    on_frame=lambda request_id, codes: frames.append(codes),
+                                    on_finish=lambda result: finished.set())
+        chunks = list(engine.request_id_iter(streamed))
+        result = engine.get_result(streamed, timeout=60)
+        assert finished.wait(60)
+    assert torch.equal(torch.stack(chunks, 1), result.codes)
+    assert torch.equal(torch.stack(frames, 1), alone(model, prompts[1], seed=1, max_new_tokens=9)[0])
+    with pytest.raises(KeyError, match="no request"):
+        engine.get_result(called)  # handed to on_finish, not kept
+
+
+def test_a_failing_callback_fails_its_request_only(model, prompts):
+    def boom(request_id, codes):
+        raise RuntimeError("listener went away")
+
+    engine = Drama3Engine(model, max_batch=2)
+    bad = engine.add_request(prompts[0], do_sample=False, max_new_tokens=8, on_frame=boom)
+    good = engine.add_request(prompts[1], do_sample=False, max_new_tokens=8)
+    assert engine.get_result(bad).finish_reason == "failed"
+    result = engine.get_result(good)
+    assert torch.equal(result.codes, alone(model, prompts[1], do_sample=False, max_new_tokens=8)[0])
+
+
+def test_bad_requests_are_refused_before_any_work(model, prompts):
+    engine = Drama3Engine(model)
+    with pytest.raises(ValueError, match="one prompt"):
+        engine.add_request(torch.zeros(2, 5, 11, dtype=torch.long))
+    with pytest.raises(ValueError, match="temperature"):
+        engine.add_request(prompts[0], temperature=-1.0)
+    with pytest.raises(TypeError, match="num_beams"):
+        engine.add_request(prompts[0], num_beams=2)
+    with pytest.raises(ValueError, match="seed or generator"):
+        engine.add_request(prompts[0], seed=1, generator=torch.Generator())
+    engine.add_request(prompts[0], request_id="x", max_new_tokens=1)
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request(prompts[0], request_id="x")
+    with pytest.raises(ValueError, match="max_batch"):
+        Drama3Engine(model, max_batch=0)
+    assert engine.queued == 1

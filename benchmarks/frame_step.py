@@ -108,7 +108,9 @@ def loaded_state(model, prompt: torch.Tensor, seed: int) -> tuple[FrameState, Fr
     state.load_prefill(prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], prompt,
                        model.row_positions(mask), mask, settings.ras_window)
     generator = torch.Generator(device=state.noise.device).manual_seed(seed)
-    return state, FrameSampler(settings), visible, generator
+    sampler = FrameSampler(prompt.shape[0], settings.ras_window, state.noise.device)
+    sampler.set_rows(slice(None), settings)
+    return state, sampler, visible, generator
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -150,7 +150,9 @@ def loaded_state(model, prompt, **settings):
     state = FrameState(model, 1, visible, settings.ras_window, prefill.cache)
     state.load_prefill(prefill.cache, prefill.tower_cache, prefill.last_hidden_state[:, -1], prompt,
                        model.row_positions(mask), mask, settings.ras_window)
-    return state, FrameSampler(settings), visible
+    sampler = FrameSampler(1, settings.ras_window, state.noise.device)
+    sampler.set_rows(slice(None), settings)
+    return state, sampler, visible
 
 
 def state_tensors(state) -> dict[str, torch.Tensor]:

@@ -37,6 +37,7 @@ class FrameStates:
         self.fingerprint = self.model_fingerprint(model)
         self.states: dict[tuple, FrameState] = {}
         self.graphs = StepGraphs()
+        self.samplers: dict[tuple, FrameSampler] = {}
         self._lock = threading.Lock()
         self._owner: int | None = None  # the thread running a request
 
@@ -65,6 +66,7 @@ class FrameStates:
                 self._owner = None
                 if not keep:
                     self.states.clear()
+                    self.samplers.clear()
 
     def state(self, batch: int, capacity: int, ras_window: int, template, scores: bool) -> FrameState:
         """The state of `batch` sequences with room for at least `capacity` rows, built when missing or too small."""
@@ -74,6 +76,13 @@ class FrameStates:
             self.states.pop(key, None)  # free the old buffers first
             state = self.states[key] = FrameState(self.model, batch, capacity, ras_window, template, scores)
         return state
+
+    def sampler(self, batch: int, ras_window: int, device: torch.device) -> FrameSampler:
+        """The sampler of the states of `batch` rows: one kept per size, as the captured steps read its tensors."""
+        key = (batch, ras_window)
+        if key not in self.samplers:
+            self.samplers[key] = FrameSampler(batch, ras_window, device)
+        return self.samplers[key]
 
     def runner(self, state: FrameState, sampler: FrameSampler, visible: int, graphs: bool, hook=None,
                compile_backend: str | None = None):
@@ -170,7 +179,6 @@ class FrameLoop:
         self.finish_reason: list[str | None] = [None] * batch
         self.stopped: set[int] = set()  # sequences a stopping criterion ended
         self.scores: list[torch.Tensor] = []
-        self.sampler = FrameSampler(settings)
         self.graphs = settings.fast_decode and model.input_device.type == "cuda"
         if self.graphs and logits_processor:
             logger.warning_once("a logits_processor runs in Python between the step's parts: the frame step runs "
@@ -225,6 +233,8 @@ class FrameLoop:
         cap = row_limit(self.limit)
 
         def runner(state: FrameState, visible: int):
+            self.sampler = states.sampler(state.batch, ras_window, state.noise.device)  # every row: this call's settings
+            self.sampler.set_rows(slice(None), settings)
             return states.runner(state, self.sampler, visible, self.graphs, self._main_logits_hook(), self.compile_backend)
 
         # A RAS window longer than a request's rows sees all of them: the buffer never needs more than the context.

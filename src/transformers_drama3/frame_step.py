@@ -252,7 +252,7 @@ class FrameState:
             logits = main_logits_hook(logits)
         if self.scores is not None:
             self.scores.copy_(logits)
-        noise = self.noise if sampler.do_sample else None
+        noise = self.noise  # read only by rows that sample
         column = sampler.main(logits, self.history, noise)  # [b] candidate column (0 = EOS)
         main = self.candidates[column]  # [b] token ids
 

@@ -65,8 +65,8 @@ def inputs():
     logits = 2 * torch.randn(rows, NUM_CANDIDATES, generator=generator)
     heads = 2 * torch.randn(rows, NUM_CANDIDATES - 1, generator=generator)
     likely = logits.argsort(dim=-1, descending=True)[:, :4]  # [R, 4]
-    history = torch.cat((torch.tensor([[-1, 0]]).expand(rows, -1), likely), dim=1)  # [R, 6]
-    history = history[:, torch.randperm(HISTORY, generator=generator)]
+    # [R, 6]: 1st, 2nd, text, EOS, 3rd, 4th (a window of 4 leaves out the two most likely)
+    history = torch.cat((likely[:, :2], torch.tensor([[-1, 0]]).expand(rows, -1), likely[:, 2:]), dim=1)
     return logits, heads, history
 
 
@@ -84,7 +84,8 @@ def test_each_rows_kept_set_and_law_are_those_of_the_scalar_rules(inputs):
         second = TopKTopPWarper(s.ras_temperature, s.ras_top_k or None, s.ras_top_p, keep_crossing=True)
         window = min(s.ras_window, HISTORY)
         assert torch.equal(main[row], first(None, logits[row : row + 1])[0])
-        scalar = RepetitionAwareLogitsProcessor(first, second, window)(history[row : row + 1], logits[row : row + 1])
+        recent = history[row : row + 1, HISTORY - window :]  # the window cut out (the sampler masks it in place)
+        scalar = RepetitionAwareLogitsProcessor(first, second, window)(recent, logits[row : row + 1])
         assert torch.equal(law[row], scalar[0])
         head = TopKTopPWarper(s.codebook_temperature, min(s.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP),
                               s.codebook_top_p, keep_crossing=False)

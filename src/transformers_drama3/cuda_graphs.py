@@ -39,7 +39,7 @@ class StepGraphs:
         self.pool = None
 
     def capture(self, model, step: Callable[[], None], device: torch.device, warm_up: bool) -> torch.cuda.CUDAGraph:
-        """Capture `step` (the step of one state, window and sampling setting) and return its graph.
+        """Capture `step` (the step of one state, window and sampler key: greedy or sampled) and return its graph.
 
         `warm_up` runs a few eager steps first, which overwrite the state: do it before loading sequences into a new
         state. Later captures of the same state only record (nothing runs), so they are safe mid-request.

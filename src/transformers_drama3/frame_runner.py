@@ -101,8 +101,8 @@ class FrameStates:
 
 
 def compiled_step(state: FrameState, backend: str):
-    """`state.step` compiled by torch.compile with `backend`, kept on the state (each window and sampling setting is
-    compiled on its first use)."""
+    """`state.step` compiled by torch.compile with `backend`, kept on the state (each window, and greedy or sampled,
+    is compiled on its first use; other sampling settings reuse it)."""
     if state.compiled.get(backend) is None:
         state.compiled[backend] = torch.compile(state.step, fullgraph=True, dynamic=False, backend=backend)
     return state.compiled[backend]

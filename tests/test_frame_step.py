@@ -303,9 +303,9 @@ def test_a_failed_request_leaves_nothing_behind(model, prompt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_replays_give_the_eager_frames(expected):
     """On CUDA, `fast_decode=True` replays captured graphs: greedy and seeded runs (other sampling settings replay the
-    same graphs), a padded batch that shrinks
-    bucket by bucket (a capture per bucket, one mid-request), and overlapped streaming give the eager step's frames;
-    states and graphs are kept for the next call and freed by `reset_frame_states`."""
+    same graphs), a padded batch that shrinks bucket by bucket (a capture per bucket, one mid-request), and overlapped
+    streaming give the eager step's frames; states and graphs are kept for the next call and freed by
+    `reset_frame_states`."""
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, device_map="cuda")
     model.set_experts_implementation("batched_mm")  # what a captured step runs: the same numbers both ways
     a = expected["prompt_a_rows"]

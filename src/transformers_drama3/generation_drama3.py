@@ -218,6 +218,8 @@ class Drama3GenerationMixin(GenerationMixin):
         base = {key: getattr(self.generation_config, key, None) for key in DRAMA3_GENERATION_DEFAULTS}
         base = {key: DRAMA3_GENERATION_DEFAULTS[key] if value is None else value for key, value in base.items()}
         check_settings({**base, **chosen})
+        if generation_config is None:
+            compat.drop_generation_values_copied_into_config(self.config, self.generation_config)
         settings, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
         for key, value in base.items():  # a generation_config.json may lack Drama 3's keys
             if getattr(settings, key, None) is None and key not in chosen:

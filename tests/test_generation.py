@@ -408,6 +408,7 @@ def test_the_streamer_gets_the_prompt_rows_first_as_transformers_streamers_do(mo
     model.generate(prompt, seed=1, max_new_tokens=2, streamer=audio)
     assert recorder.shapes == [(1, prompt.shape[1], 11), (1, 10), (1, 10), "end"]
     assert torch.cat(audio.chunks).shape == out.audio[0].shape  # the prompt rows are no frames
+    assert out["audio"] is out.audio and "audio" in out.keys()  # a ModelOutput field, not only an attribute
 
 
 def test_a_split_model_s_rules_decide_the_seed_and_refuse_fast_decode(model, prompt, monkeypatch):

@@ -361,7 +361,7 @@ class Drama3GenerationMixin(GenerationMixin):
         )
         if isinstance(output, Drama3GenerateOutput) and output_audio:
             device = execution_device(self.codec)
-            output.audio = [self.codec.decode(c[None].to(device)).audio_values[0, 0] for c in output.codes]
+            output["audio"] = [self.codec.decode(c[None].to(device)).audio_values[0, 0] for c in output.codes]
         return output
 
 

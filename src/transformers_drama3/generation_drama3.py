@@ -221,7 +221,7 @@ class Drama3GenerationMixin(GenerationMixin):
         if generation_config is None:
             compat.drop_generation_values_copied_into_config(self.config, self.generation_config)
         settings, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        for key, value in base.items():  # a generation_config.json may lack Drama 3's keys
+        for key, value in base.items():  # a generation config set by hand may lack Drama 3's keys
             if getattr(settings, key, None) is None and key not in chosen:
                 setattr(settings, key, value)
         mode = settings.get_generation_mode()

@@ -21,7 +21,7 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_drama3 import FishOmniForSpeech, generation_drama3
-from transformers_drama3.generation_drama3 import Drama3FrameLimit
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3FrameLimit, generation_settings
 from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
@@ -355,6 +355,9 @@ def test_settings_that_do_not_apply_are_named(model, prompt):
         model.generate(prompt, max_length=20)
     out = model.generate(prompt, generation_config=model.generation_config, do_sample=False, max_new_tokens=2)
     assert out.codes[0].shape[1] == 2
+    beams = GenerationConfig(**DRAMA3_GENERATION_DEFAULTS, num_beams=4)  # a model's own config that asks for beams
+    with pytest.raises(ValueError, match="greedily .* or by sampling, not by beam_sample"):
+        generation_settings(beams)
 
 
 def test_generate_runs_transformers_generate_with_the_drama3_hooks(model, prompt, monkeypatch):

@@ -498,6 +498,13 @@ def test_bad_input_rows(model):
         model.generate(torch.zeros(1, 4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="at least one prompt row"):
         model.generate(torch.zeros(1, 0, 11, dtype=torch.long))
+    rows = torch.zeros(1, 4, 11, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"attention_mask must be a torch.Tensor"):
+        model.generate(rows, attention_mask=[[1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch, cached rows \+ new rows\] = \[1, 4\]"):
+        model.generate(rows, attention_mask=torch.ones(1, 5))  # all ones: transformers would drop it unchecked
+    with pytest.raises(ValueError, match="0 \\(left padding\\) and 1"):
+        model.generate(rows, attention_mask=torch.full((1, 4), 0.5))
 
 
 def test_overlapped_streaming_gives_the_same_chunks(model, prompt):

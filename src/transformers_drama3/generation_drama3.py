@@ -343,17 +343,18 @@ class Drama3GenerationMixin(GenerationMixin):
         prompt_cache.py) starts the prefill from a copy of its caches instead of recomputing those rows. Returns a
         `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
         """
-        self._check_frame_layout(input_ids, "input_ids")  # before transformers reads the shape (no data read)
+        # Types and shapes before transformers reads them (no data read; the values are checked by `_sample`).
+        self._check_frame_layout(input_ids, "input_ids")
+        full_mask = self._attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
+                                                input_ids.device)  # all ones when none is given
+        attention_mask = full_mask if attention_mask is None else attention_mask
         refused = [key for key in kwargs if key in _TRANSFORMERS_ONLY_ARGUMENTS and kwargs[key] is not None and kwargs[key] is not False]
         if refused:
             raise unsupported_arguments(refused)
-        if isinstance(attention_mask, torch.Tensor) and attention_mask.shape == input_ids.shape[:2]:
-            # Padding on the right (transformers' pipeline collator pads that way, with its pad id in every column)
-            # moves to the left, as all-zero rows; padding inside a sequence is refused by `checked_inputs`.
-            if padded_on_the_right(attention_mask):
-                input_ids, attention_mask = left_pad_rows(input_ids, attention_mask)
-        if attention_mask is None:  # no padding; said here, or transformers warns that a batch has no mask
-            attention_mask = torch.ones(input_ids.shape[:2], dtype=torch.long, device=input_ids.device)
+        # Padding on the right (transformers' pipeline collator pads that way, with its pad id in every column) moves
+        # to the left, as all-zero rows; padding inside a sequence is refused by `checked_inputs`.
+        if padded_on_the_right(attention_mask):
+            input_ids, attention_mask = left_pad_rows(input_ids, attention_mask)
         output = super().generate(
             input_ids, generation_config=generation_config, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, streamer=streamer, attention_mask=attention_mask, seed=seed,

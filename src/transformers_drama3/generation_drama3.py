@@ -226,8 +226,8 @@ class Drama3GenerationMixin(GenerationMixin):
                 setattr(settings, key, value)
         mode = settings.get_generation_mode()
         if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-            raise ValueError(f"Drama 3 generates frames greedily (do_sample=False) or by sampling, not by {mode.value}; "
-                             "check the model's generation_config")
+            raise ValueError(f"Drama 3 generates frames greedily (do_sample=False) or by sampling, not by "
+                             f"{mode.value}; check the model's generation_config")
         return settings, model_kwargs
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
@@ -348,7 +348,8 @@ class Drama3GenerationMixin(GenerationMixin):
         full_mask = self._attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
                                                 input_ids.device)  # all ones when none is given
         attention_mask = full_mask if attention_mask is None else attention_mask
-        refused = [key for key in kwargs if key in _TRANSFORMERS_ONLY_ARGUMENTS and kwargs[key] is not None and kwargs[key] is not False]
+        refused = [key for key, value in kwargs.items()
+                   if key in _TRANSFORMERS_ONLY_ARGUMENTS and value is not None and value is not False]
         if refused:
             raise unsupported_arguments(refused)
         # Padding on the right (transformers' pipeline collator pads that way, with its pad id in every column) moves

@@ -132,6 +132,8 @@ class BatchAudioRouter(BaseStreamer):
         self.ended = [False] * len(jobs)
 
     def put(self, value: torch.Tensor) -> None:
+        if value.dim() == 3:  # the prompt rows [B, T, 1 + NCB], which generate puts first: no frames
+            return
         produced = (value[:, 0] >= 0).tolist()  # [B]
         for index, (job, has_frame) in enumerate(zip(self.jobs, produced)):
             if has_frame and job.audio_stream is not None:  # None: the request failed or ended already

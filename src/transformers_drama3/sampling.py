@@ -141,6 +141,17 @@ class RepetitionAwareLogitsProcessor(LogitsProcessor):
         return ras_log_probs(input_ids, window, self.first(None, scores), second)
 
 
+def main_token_rule(settings) -> RepetitionAwareLogitsProcessor:
+    """The main-token rule of one settings object (a generation config with Drama 3's keys) as a transformers
+    `LogitsProcessor`: temperature, top-p, top-k (0 or None: no limit), then the repetition-aware redraw. A frame
+    step runs the same rule from `FrameSampler`'s tensors (`set_rows` reads the same settings)."""
+    return RepetitionAwareLogitsProcessor(
+        TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
+        TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
+        window=settings.ras_window,
+    )
+
+
 class FrameSampler:
     """The draws of one frame (docs/format.md, "Sampling") for `rows` sequences, each with its own settings: the main
     token with RAS, then codes 1..NCB-1.
@@ -253,4 +264,4 @@ class FrameSampler:
         return torch.where(self.do_sample, draw(kept, noise=noise[:, index, : logits.shape[-1]]), greedy)
 
 
-__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]
+__all__ = ["FrameSampler", "main_token_rule", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]

@@ -188,7 +188,11 @@ class FrameSampler:
         return (self.sampling,)
 
     def _host_rows(self, index: torch.Tensor | slice) -> list[int]:
-        return list(range(self.rows)[index]) if isinstance(index, slice) else index.tolist()
+        if isinstance(index, slice):
+            return list(range(self.rows)[index])
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.long or index.dim() != 1:
+            raise TypeError(f"rows are given as a slice or a 1-D LongTensor of row numbers, got {index!r}")
+        return index.tolist()
 
     def set_rows(self, index: torch.Tensor | slice, settings) -> None:
         """Write one settings object's values into rows `index` (a LongTensor `[n]` or a slice), in place.
@@ -218,7 +222,7 @@ class FrameSampler:
     def copy_rows(self, other: FrameSampler, index: torch.Tensor) -> None:
         """Copy rows `index` `[n]` of `other` into rows `[0, n)`, in place (sequences moving between states); the
         rows from `n` on keep their settings. RAS windows are cut to this sampler's history width."""
-        rows = index.tolist()
+        rows = self._host_rows(index)
         index = index.to(other.do_sample.device)
         count = len(rows)
         for name in ("do_sample", *SAMPLING_SETTINGS):

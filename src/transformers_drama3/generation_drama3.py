@@ -45,6 +45,7 @@ from . import compat
 from .device_placement import execution_device
 from .frame_rows import left_pad_rows, padded_on_the_right
 from .frame_runner import FrameLoop, check_cuda_graphs, request_generators
+from .input_checks import attention_mask_layout, check_frame_layout
 from .prompt_cache import PromptCache, prefill
 from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
 
@@ -355,9 +356,9 @@ class Drama3GenerationMixin(GenerationMixin):
         `Drama3GenerateOutput` (or only `sequences` with `return_dict_in_generate=False`).
         """
         # Types and shapes before transformers reads them (no data read; the values are checked by `_sample`).
-        self._check_frame_layout(input_ids, "input_ids")
-        full_mask = self._attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
-                                                input_ids.device)  # all ones when none is given
+        check_frame_layout(input_ids, "input_ids", self.config.num_codebooks)
+        full_mask = attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
+                                          input_ids.device)  # all ones when none is given
         attention_mask = full_mask if attention_mask is None else attention_mask
         refused = [key for key, value in kwargs.items()
                    if key in _TRANSFORMERS_ONLY_ARGUMENTS and value is not None and value is not False]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -29,16 +28,21 @@ from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
+from .input_checks import (
+    IGNORE_INDEX,
+    attention_mask_layout,
+    check_frame_layout,
+    frame_problems,
+    label_problems,
+    mask_problems,
+    raise_first_problem,
+)
 from .loading import default_dtype
 from .modeling_codec import FishDACCodec
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
 from .parallel import ParallelRequest, SplitModelRules
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
-IGNORE_INDEX = -100
-# A check of input values: a bool tensor marking offending entries, and the error message for them (built only when
-# one is found). `raise_first_problem` reads all of a call's checks back at once.
-Problem = tuple[torch.Tensor, Callable[[torch.Tensor], str]]
 # The backbone's cache keyword on the installed transformers (read once: the frame step is traced by torch.compile).
 BACKBONE_CACHE_ARGUMENT = compat.backbone_cache_argument()
 
@@ -221,59 +225,6 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         audio = (tokens + codes) / math.sqrt(1 + k)
         return torch.where(self.is_audio_row(frames[..., 0])[..., None], audio, tokens)
 
-    def _check_frame_layout(self, frames, name: str) -> None:
-        """Raise a clear error for frame rows of the wrong type, shape or dtype (no data is read; the values are
-        checked by `_frame_problems`)."""
-        ncb = self.config.num_codebooks
-        if not isinstance(frames, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor of frame rows [batch, rows, {1 + ncb}], got {type(frames).__name__}")
-        if frames.dim() != 3 or frames.shape[-1] != 1 + ncb:
-            raise ValueError(
-                f"{name} must be frame rows [batch, rows, {1 + ncb}] ([main_id, c0..c{ncb - 1}], as the processor "
-                f"returns them), got shape {tuple(frames.shape)}"
-            )
-        if not is_integer_dtype(frames.dtype):
-            raise ValueError(f"{name} must hold integer ids, got {frames.dtype}")
-        if frames.shape[0] == 0 or frames.shape[1] == 0:
-            raise ValueError(f"{name} must hold at least one prompt row per sequence, got shape {tuple(frames.shape)}")
-
-    def _frame_problems(self, frames: torch.Tensor, name: str) -> list[Problem]:
-        """What can be wrong with the values of frame rows of a valid layout, as `Problem`s (nothing is read back):
-        main ids outside the vocabulary, text rows with codes, audio rows whose codes lie outside `[0, V)` or whose
-        main id and c0 disagree; the message names the first offending row and column."""
-        ncb, vocab, codebook = self.config.num_codebooks, self.config.text_config.vocab_size, self.config.codebook_size
-        start, end = self.config.semantic_start_token_id, self.config.semantic_end_token_id
-        main = frames[..., 0]
-        audio = self.is_audio_row(main)
-
-        def at(bad: torch.Tensor) -> list[int]:  # [b, t] or [b, t, column] of the first True entry
-            return bad.nonzero()[0].tolist()
-
-        def main_outside(bad):
-            b, t = at(bad)
-            return f"{name}[{b}, {t}, 0] = {int(main[b, t])}: main ids must lie in the text vocabulary [0, {vocab})"
-
-        def text_with_codes(bad):
-            b, t, c = at(bad)
-            return (f"{name}[{b}, {t}, {c + 1}] = {int(frames[b, t, c + 1])}: a text row (main id {int(main[b, t])}, "
-                    f"outside the semantic band [{start}, {end}]) must have all codes 0; an audio row is "
-                    f"[semantic_start + c0, c0, ..., c{ncb - 1}]")
-
-        def codes_outside(bad):
-            b, t, c = at(bad)
-            return f"{name}[{b}, {t}, {c + 1}] = {int(frames[b, t, c + 1])}: codes of an audio row must lie in [0, {codebook})"
-
-        def mismatch(bad):
-            b, t = at(bad)
-            return f"{name}[{b}, {t}, 0]: an audio row's main id must be semantic_start + c0"
-
-        return [
-            ((main < 0) | (main >= vocab), main_outside),
-            (~audio[..., None] & (frames[..., 1:] != 0), text_with_codes),
-            (audio[..., None] & ((frames[..., 1:] < 0) | (frames[..., 1:] >= codebook)), codes_outside),
-            (audio & (main - start != frames[..., 1]), mismatch),
-        ]
-
     # ----------------------------------------------------------------------------------------------------------
     # Teacher-forced forward
     # ----------------------------------------------------------------------------------------------------------
@@ -330,7 +281,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         """Check what `forward` takes before any work, reading the data back once (one host sync: the pass itself
         then never waits for the host). Returns the full long attention mask `[B, past + T]` on the input device and,
         with `labels`, the bool mask `[B, T]` of the label rows the loss counts (real rows that the pass predicts)."""
-        self._check_frame_layout(input_ids, "input_ids")
+        check_frame_layout(input_ids, "input_ids", self.config.num_codebooks)
         batch, rows, _ = input_ids.shape
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
@@ -348,36 +299,18 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
                 "(text_config.max_position_embeddings)"
             )
         device = self.input_device
-        mask = self._attention_mask_layout(attention_mask, batch, past, rows, device)
-        problems = self._frame_problems(input_ids, "input_ids")
+        mask = attention_mask_layout(attention_mask, batch, past, rows, device)
+        problems = frame_problems(input_ids, "input_ids", self.config, self.is_audio_row(input_ids[..., 0]))
         if attention_mask is not None:
-            problems += self._mask_problems(attention_mask)
+            problems += mask_problems(attention_mask)
         row_mask = None
         if labels is not None:
             row_mask = mask[:, past:].to(labels.device).bool()
             if tower_cache is None or tower_cache.pending_row is None:
                 row_mask[:, 0] = False  # the tower predicts no codes for a first row without a cached row before it
-            problems += self._label_problems(labels, row_mask)
+            problems += label_problems(labels, row_mask, self.config, self.is_audio_row(labels[..., 0].long()))
         raise_first_problem(problems)
         return mask.to(device), row_mask
-
-    def _label_problems(self, labels: torch.Tensor, row_mask: torch.Tensor) -> list[Problem]:
-        """What can be wrong with the values of labels of the right layout, as `Problem`s."""
-        main = labels[..., 0].long()  # [B, T]
-        text_vocab, vocab = self.config.text_config.vocab_size, self.config.codebook_size
-        counted_audio = (main != IGNORE_INDEX) & row_mask & self.is_audio_row(main)
-        codes = labels[..., 2:]  # [B, T, NCB-1]
-
-        def main_outside(bad):
-            b, t = bad.nonzero()[0].tolist()
-            return (f"labels[{b}, {t}, 0] = {int(main[b, t])}: label main ids must lie in the text vocabulary "
-                    f"[0, {text_vocab}), or be {IGNORE_INDEX} to leave the row out of the loss")
-
-        return [
-            ((main != IGNORE_INDEX) & ((main < 0) | (main >= text_vocab)), main_outside),
-            (counted_audio[..., None] & ((codes < 0) | (codes >= vocab)),
-             lambda bad: f"labels have codes outside [0, {vocab - 1}] on audio rows"),
-        ]
 
     def _teacher_forced(self, input_ids, attention_mask, labels, row_mask, cache, tower_cache, logits_to_keep: int):
         """`forward` on checked inputs (`checked_inputs`): the full mask `[B, past + T]`, caches (None: no caching)."""
@@ -441,41 +374,6 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         The Qwen3.5 backbone does not derive positions from the mask, so every caller passes these explicitly.
         """
         return (attention_mask.cumsum(-1) - 1).clamp(min=0)
-
-    @staticmethod
-    def _attention_mask_layout(attention_mask, batch: int, past: int, rows: int, device) -> torch.Tensor:
-        """The long mask `[B, past + T]` (all ones when none is given) after its type and shape checks (nothing read)."""
-        if attention_mask is None:
-            return torch.ones(batch, past + rows, dtype=torch.long, device=device)
-        if not isinstance(attention_mask, torch.Tensor):
-            raise TypeError(f"attention_mask must be a torch.Tensor [batch, rows], got {type(attention_mask).__name__}")
-        if attention_mask.shape != (batch, past + rows):
-            raise ValueError(
-                f"attention_mask must be [batch, cached rows + new rows] = [{batch}, {past + rows}], got "
-                f"{tuple(attention_mask.shape)}"
-            )
-        if attention_mask.dtype.is_complex:
-            raise ValueError("attention_mask must hold 0 (left padding) and 1 (real rows) only")
-        return attention_mask.long()
-
-    @staticmethod
-    def _mask_problems(attention_mask: torch.Tensor) -> list[Problem]:
-        """What can be wrong with the values of an attention mask of the right shape, as `Problem`s."""
-        mask = attention_mask.long()
-
-        def first_row(bad) -> int:
-            return int(bad.nonzero()[0, 0])
-
-        return [
-            (((attention_mask != 0) & (attention_mask != 1)),
-             lambda bad: "attention_mask must hold 0 (left padding) and 1 (real rows) only"),
-            (mask.sum(-1) == 0,
-             lambda bad: f"attention_mask row {first_row(bad)} is all zeros: that sequence has no real row to condition "
-                         "on (1 marks a real row, 0 left padding)"),
-            ((mask[:, 1:] < mask[:, :-1]).any(-1),
-             lambda bad: f"attention_mask row {first_row(bad)} has padding (0) after real rows: Drama 3 takes "
-                         "left-padded batches, padding first (the processor pads that way)"),
-        ]
 
     def _tower_teacher_forcing(self, hidden, frames, position_ids, attention_mask, tower_cache, kept: int):
         """Codebook logits `[B, kept, NCB-1, V]` of the last `kept` rows (zeros for a row whose previous row is not
@@ -601,17 +499,6 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         super().save_pretrained(save_directory, *args, state_dict=state_dict, is_main_process=is_main_process, **kwargs)
         if is_main_process:
             write_codec_file(self.codec, save_directory)
-
-
-def raise_first_problem(problems: list[Problem]) -> None:
-    """Raise a `ValueError` with the message of the first problem found, reading every flag back in one host sync."""
-    if not problems:
-        return
-    device = problems[0][0].device
-    found = torch.stack([bad.any().to(device) for bad, _ in problems]).tolist()
-    for (bad, message), hit in zip(problems, found):
-        if hit:
-            raise ValueError(message(bad))
 
 
 def _mean_cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

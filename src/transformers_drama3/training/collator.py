@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ..codes import is_integer_dtype
-from ..modeling_drama3 import IGNORE_INDEX
+from ..input_checks import IGNORE_INDEX
 
 
 @dataclass

@@ -39,7 +39,7 @@ from ..configuration_drama3 import FishOmniConfig
 from ..device_placement import execution_device
 from ..codec_file import CODEC_FILE, read_codec_file
 from ..modeling_codec import FishDACCodec
-from ..modeling_drama3 import IGNORE_INDEX
+from ..input_checks import IGNORE_INDEX
 from ..processing_drama3 import Drama3Processor
 from ..speaker_tags import MAX_SPEAKER_ID, SPEAKER_TAG, WHITE_SPACE
 from .recordings import Recording, SkippedClip, find_recordings

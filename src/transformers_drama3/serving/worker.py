@@ -304,8 +304,9 @@ class GenerationWorker:
         """The engine's callback: one frame `[NCB]` of a job's chunk, to its audio stream."""
         job = self.job_of(engine_id)
         self.step_rows += 1
-        if job.started_at is None:
-            job.started_at = time.monotonic()
+        if job.started_at is None:  # its first frame: it was admitted in this step
+            admitted = self.engine.requests.get(engine_id)
+            job.started_at = (admitted and admitted.admitted_at) or time.monotonic()
         job.frames += 1
         if job.audio_stream is not None:
             job.audio_stream.put(codes[None])  # [1, NCB]

@@ -46,13 +46,15 @@ def run_outputs(model) -> dict:
 
 
 class CodesCollector:
-    """A streamer (transformers' `put`/`end`) that keeps the codes `[1, NCB]` of every streamed frame."""
+    """A streamer (transformers' `put`/`end`) that keeps the codes `[1, NCB]` of every streamed frame (the prompt rows
+    `[1, T, 1 + NCB]`, put first, are no frame)."""
 
     def __init__(self):
         self.frames: list[torch.Tensor] = []
 
     def put(self, value: torch.Tensor) -> None:
-        self.frames.append(value[0])
+        if value.dim() == 2:
+            self.frames.append(value[0])
 
     def end(self) -> None:
         pass

@@ -181,3 +181,14 @@ def test_generation_defaults_are_transformers_global_defaults():
     filled.update(**defaults, defaults_only=True)  # what the text-to-audio pipeline of transformers 5.17 does
     settings = generation_settings(GenerationConfig(**DRAMA3_GENERATION_DEFAULTS), filled)
     assert settings.top_k == 0 and settings.top_p == 0.9 and settings.do_sample is True
+
+
+def test_generation_values_copied_into_the_model_config_are_dropped():
+    """transformers 5.17's text-to-audio pipeline copies the generation config into the model config, which
+    `generate` then refuses as legacy generation control: the copied values go, a value set otherwise stays."""
+    from transformers import GenerationConfig, PretrainedConfig
+
+    config = PretrainedConfig()
+    config.update({"top_p": 0.9, "temperature": 0.5})
+    compat.drop_generation_values_copied_into_config(config, GenerationConfig(top_p=0.9, temperature=1.0))
+    assert config._get_generation_parameters() == {"temperature": 0.5}

@@ -303,9 +303,10 @@ def test_a_failed_request_leaves_nothing_behind(model, prompt):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_replays_give_the_eager_frames(expected):
-    """On CUDA, `fast_decode=True` replays captured graphs: greedy and seeded runs, a padded batch that shrinks
-    bucket by bucket (a capture per bucket, one mid-request), and overlapped streaming give the eager step's frames;
-    states and graphs are kept for the next call and freed by `reset_frame_states`."""
+    """On CUDA, `fast_decode=True` replays captured graphs: greedy and seeded runs (other sampling settings replay the
+    same graphs), a padded batch that shrinks bucket by bucket (a capture per bucket, one mid-request), and overlapped
+    streaming give the eager step's frames; states and graphs are kept for the next call and freed by
+    `reset_frame_states`."""
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, device_map="cuda")
     model.set_experts_implementation("batched_mm")  # what a captured step runs: the same numbers both ways
     a = expected["prompt_a_rows"]
@@ -321,6 +322,16 @@ def test_cuda_graph_replays_give_the_eager_frames(expected):
     assert kept_states(model).states and all(s.graphs for s in kept_states(model).states.values())
     for seed in range(3):
         both(prompt, seed=seed, max_new_tokens=24)
+
+    def graphs_now() -> set[int]:
+        return {id(graph) for state in kept_states(model).states.values() for graph in state.graphs.values()}
+
+    model.generate(prompt, seed=0, max_new_tokens=24, fast_decode=True, output_audio=False)
+    captured = graphs_now()
+    other = dict(temperature=0.6, top_p=0.8, top_k=7, codebook_temperature=0.7)  # the sampler's tensors change
+    fast = model.generate(prompt, seed=1, max_new_tokens=24, fast_decode=True, output_audio=False, **other)
+    assert graphs_now() <= captured  # other settings replay the graphs captured for the defaults
+    assert torch.equal(fast.sequences, model.generate(prompt, seed=1, max_new_tokens=24, output_audio=False, **other).sequences)
     batch, mask = left_padded(a, torch.cat((a[:1], a[4:])), torch.cat((a[:1], a[8:])))
     both(batch.cuda(), attention_mask=mask.cuda(), do_sample=False, max_new_tokens=30, stop_check_interval=2)
     assert {key[0] for key in kept_states(model).states} >= {4, 2, 1}

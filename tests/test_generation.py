@@ -1,13 +1,27 @@
 """Speech generation: golden greedy run, the sampling rules, RAS, seeds, batching, streaming, stopping, bad inputs."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    EosTokenCriteria,
+    GenerationConfig,
+    LogitsProcessor,
+    LogitsProcessorList,
+    RepetitionPenaltyLogitsProcessor,
+    StoppingCriteria,
+    StoppingCriteriaList,
+    TopKLogitsWarper,
+)
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.generation.streamers import BaseStreamer
 
-from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3 import FishOmniForSpeech, generation_drama3
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3FrameLimit, generation_settings
 from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
@@ -341,6 +355,84 @@ def test_settings_that_do_not_apply_are_named(model, prompt):
         model.generate(prompt, max_length=20)
     out = model.generate(prompt, generation_config=model.generation_config, do_sample=False, max_new_tokens=2)
     assert out.codes[0].shape[1] == 2
+    beams = GenerationConfig(**DRAMA3_GENERATION_DEFAULTS, num_beams=4)  # a model's own config that asks for beams
+    with pytest.raises(ValueError, match="greedily .* or by sampling, not by beam_sample"):
+        generation_settings(beams)
+
+
+def test_generate_runs_transformers_generate_with_the_drama3_hooks(model, prompt, monkeypatch):
+    """`generate` is `GenerationMixin.generate`: its hooks give `_sample` the merged settings, the user's processors
+    then Drama 3's main-token rule (when sampling), and the user's criteria then the frame limit."""
+    seen = []
+    sample = type(model)._sample
+
+    def spy(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
+        seen.append((list(logits_processor), list(stopping_criteria), generation_config))
+        return sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
+
+    monkeypatch.setattr(type(model), "_sample", spy)
+    user = TopKLogitsWarper(top_k=1)  # reads only the scores: applies to the candidate logits as to text logits
+    out = model.generate(prompt, seed=0, max_new_tokens=3, logits_processor=[user], output_scores=True,
+                         ras_window=4, output_audio=False)
+    processors, criteria, settings = seen[-1]
+    assert isinstance(out, GenerateDecoderOnlyOutput) and settings.ras_window == 4 and settings.top_p == 0.9
+    assert processors[0] is user and isinstance(processors[1], RepetitionAwareLogitsProcessor)
+    assert processors[1].window == 4 and processors[1].first.top_p == 0.9 and processors[1].second.top_k == 30
+    assert isinstance(criteria[-1], Drama3FrameLimit) and criteria[-1].max_length == prompt.shape[1] + 3
+    assert all(int(torch.isfinite(scores[0]).sum()) == 1 for scores in out.scores)  # top-1 after the user's warper
+    model.generate(prompt, do_sample=False, max_new_tokens=10**9, output_audio=False)
+    processors, criteria, _ = seen[-1]
+    assert processors == [] and criteria[-1].max_length == model.config.text_config.max_position_embeddings + 1
+
+
+def test_transformers_processors_and_criteria_for_text_tokens_are_refused(model, prompt, monkeypatch):
+    monkeypatch.setattr(model, "prefill", lambda *args: pytest.fail("the prefill ran"))
+    with pytest.raises(ValueError, match=r"\['RepetitionPenaltyLogitsProcessor'\].*candidate logits"):
+        model.generate(prompt, logits_processor=LogitsProcessorList([RepetitionPenaltyLogitsProcessor(1.2)]))
+    with pytest.raises(ValueError, match=r"\['EosTokenCriteria'\].*EOS frame"):
+        model.generate(prompt, stopping_criteria=StoppingCriteriaList([EosTokenCriteria(eos_token_id=3)]))
+    with pytest.raises(TypeError, match="assistant_model"):
+        model.generate(prompt, assistant_model=model)
+
+
+def test_the_streamer_gets_the_prompt_rows_first_as_transformers_streamers_do(model, prompt):
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.shapes = []
+
+        def put(self, value):
+            self.shapes.append(tuple(value.shape))
+
+        def end(self):
+            self.shapes.append("end")
+
+    recorder, audio = Recorder(), Drama3AudioStreamer(model.codec)
+    out = model.generate(prompt, seed=1, max_new_tokens=2, streamer=recorder)
+    model.generate(prompt, seed=1, max_new_tokens=2, streamer=audio)
+    assert recorder.shapes == [(1, prompt.shape[1], 11), (1, 10), (1, 10), "end"]
+    assert torch.cat(audio.chunks).shape == out.audio[0].shape  # the prompt rows are no frames
+    assert out["audio"] is out.audio and "audio" in out.keys()  # a ModelOutput field, not only an attribute
+
+
+def test_a_split_model_s_rules_decide_the_seed_and_refuse_fast_decode(model, prompt, monkeypatch):
+    """Generation asks `model.split_rules` (set by a split load, parallel.py) and imports nothing from parallel.py."""
+
+    class Rules:
+        def shared_seed(self, model, seed, generator):
+            return 5 if seed is None else seed
+
+        def check_fast_decode(self):
+            raise RuntimeError("not on a split model")
+
+    monkeypatch.setattr(model, "split_rules", Rules(), raising=False)
+    shared = model.generate(prompt, max_new_tokens=3, output_audio=False)
+    with pytest.raises(RuntimeError, match="not on a split model"):
+        model.generate(prompt, fast_decode=True, max_new_tokens=3)
+    monkeypatch.delattr(model, "split_rules")
+    assert torch.equal(shared.sequences, model.generate(prompt, seed=5, max_new_tokens=3, output_audio=False).sequences)
+    source = Path(generation_drama3.__file__).read_text()
+    assert not [node for node in ast.walk(ast.parse(source))
+                if isinstance(node, ast.ImportFrom) and node.module and "parallel" in node.module]
 
 
 def test_memory_follows_the_frames_made_not_max_new_tokens(tmp_path):
@@ -406,6 +498,13 @@ def test_bad_input_rows(model):
         model.generate(torch.zeros(1, 4, 3, dtype=torch.long))
     with pytest.raises(ValueError, match="at least one prompt row"):
         model.generate(torch.zeros(1, 0, 11, dtype=torch.long))
+    rows = torch.zeros(1, 4, 11, dtype=torch.long)
+    with pytest.raises(TypeError, match=r"attention_mask must be a torch.Tensor"):
+        model.generate(rows, attention_mask=[[1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"attention_mask must be \[batch, cached rows \+ new rows\] = \[1, 4\]"):
+        model.generate(rows, attention_mask=torch.ones(1, 5))  # all ones: transformers would drop it unchecked
+    with pytest.raises(ValueError, match="0 \\(left padding\\) and 1"):
+        model.generate(rows, attention_mask=torch.full((1, 4), 0.5))
 
 
 def test_overlapped_streaming_gives_the_same_chunks(model, prompt):

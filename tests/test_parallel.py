@@ -129,7 +129,7 @@ def test_split_generation_streams_its_frames(mode, ranks, single):
 
 @pytest.mark.parametrize("mode", ["tensor", "expert"])
 def test_unseeded_sampling_agrees_between_ranks(mode, ranks):
-    """Without a seed, rank 0 draws one for all ranks (`parallel.shared_seed`), whatever each rank's global
+    """Without a seed, rank 0 draws one for all ranks (`model.split_rules.shared_seed`), whatever each rank's global
     generator holds (the worker seeds them differently)."""
     assert torch.equal(ranks[mode][0]["unseeded"], ranks[mode][1]["unseeded"])
 

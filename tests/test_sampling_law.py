@@ -28,6 +28,7 @@ the path from the embedding to a head that is about 1e-5 of the logit scale, and
 """
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,3 +211,58 @@ def test_codebook_draws_are_independent_of_the_main_tokens_and_of_each_others_no
     log_alpha = -math.log(ALPHA)
     bound = log_alpha / 3 + math.sqrt((log_alpha / 3) ** 2 + 2 * variance * log_alpha)
     assert excess <= bound, f"draws equal earlier indices {excess:.0f} times more than their law says (bound {bound:.0f})"
+
+
+# One `FrameSampler` over blocks of rows with different settings: the greedy block, RAS windows 3, 0 and 5, top-k
+# with and without a limit, crossing kept (main) and dropped (codebook).
+MIXED_SETTINGS = [
+    dict(do_sample=False),
+    dict(temperature=0.8, top_p=0.9, top_k=0, ras_window=3, ras_temperature=2.0, ras_top_k=6, ras_top_p=0.97,
+         codebook_temperature=1.5, codebook_top_k=8, codebook_top_p=0.9),
+    dict(temperature=1.5, top_p=1.0, top_k=6, ras_window=0, ras_temperature=1.0, ras_top_k=30, ras_top_p=0.95,
+         codebook_temperature=0.7, codebook_top_k=0, codebook_top_p=0.95),
+    dict(temperature=1.0, top_p=0.7, top_k=0, ras_window=5, ras_temperature=0.6, ras_top_k=3, ras_top_p=0.9,
+         codebook_temperature=1.0, codebook_top_k=30, codebook_top_p=0.8),
+]
+MIXED_SAMPLES = 4000  # rows per block
+MIXED_CANDIDATES = 25  # V + 1
+
+
+def test_a_batch_with_different_settings_per_row_draws_each_row_from_its_own_law():
+    """Each block of rows of one mixed `FrameSampler` (one draw per row, one frame's noise) follows the law of its own
+    settings: main tokens the draw rule with the RAS redraw, codes the codebook rule, both recomputed in float64 by
+    `draw_rule` (the scalar `TopKTopPWarper`/`RepetitionAwareLogitsProcessor` give each row the same kept set and
+    law bit for bit: tests/test_frame_sampler.py). Pearson's test per sampled block and kind at `ALPHA`: six tests, so
+    a correct sampler fails fewer than 6e-6 of runs; the greedy block takes the argmax."""
+    from transformers_drama3.sampling import FrameSampler
+
+    generator = torch.Generator().manual_seed(31)
+    blocks, n = len(MIXED_SETTINGS), MIXED_SAMPLES
+    logits = 1.5 * torch.randn(blocks, MIXED_CANDIDATES, generator=generator)  # [blocks, V + 1] one per block
+    heads = 1.5 * torch.randn(blocks, MIXED_CANDIDATES - 1, generator=generator)  # [blocks, V]
+    likely = logits.argsort(dim=-1, descending=True)[:, :3]
+    history = torch.cat((likely, torch.tensor([[-1, 0]]).expand(blocks, -1)), dim=1)  # [blocks, 5]
+    history = history[:, [3, 1, 4, 2, 0]]  # text, 2nd, EOS, 3rd, 1st: a window of 3 holds EOS, 3rd, 1st
+    sampler = FrameSampler(blocks * n, history.shape[1])
+    for block, changes in enumerate(MIXED_SETTINGS):
+        sampler.set_rows(torch.arange(block * n, (block + 1) * n), SimpleNamespace(**{"do_sample": True, **changes}))
+    noise = torch.rand(blocks * n, 2, MIXED_CANDIDATES, generator=generator)
+    rows = torch.arange(blocks).repeat_interleave(n)  # block of each row
+    main = sampler.main(logits[rows], history[rows], noise).view(blocks, n)
+    codes = sampler.codebook(heads[rows], 1, noise).view(blocks, n)
+    assert (main[0] == logits[0].argmax()).all() and (codes[0] == heads[0].argmax()).all()
+    for block, s in enumerate(MIXED_SETTINGS[1:], start=1):
+        s = SimpleNamespace(**s)
+        first, margin_1 = draw_rule(logits[block], s.temperature, s.top_k or MIXED_CANDIDATES, s.top_p, True)
+        second, margin_2 = draw_rule(logits[block], s.ras_temperature, s.ras_top_k, s.ras_top_p, True)
+        window = history[block, history.shape[1] - s.ras_window :].tolist() if s.ras_window else []
+        repeated = torch.zeros_like(first, dtype=torch.bool)
+        repeated[[column for column in window if column > 0]] = True  # semantic columns (EOS never redraws)
+        law = first * ~repeated + (first * repeated).sum() * second
+        code_law, margin_3 = draw_rule(heads[block], s.codebook_temperature, min(s.codebook_top_k or 30, 30),
+                                       s.codebook_top_p, False)
+        assert min(margin_1, margin_2, margin_3) > MARGIN
+        assert (first * repeated).sum() > 0.2 or not s.ras_window  # the redraw moves mass where there is a window
+        for drawn, expected in ((main[block], law), (codes[block], code_law)):
+            counts = torch.bincount(drawn, minlength=expected.numel())
+            assert chi_square_p_value(counts, n * expected) > ALPHA, block

@@ -20,6 +20,8 @@ Shims (transformers 5.17 -> newer, measured on 5.24):
   `gradient_checkpointing*` only -> `activation_checkpointing*` (the old names warn).
 - `expert_parallel_by_size`, `expert_parallel_arguments`: `DistributedConfig(enable_expert_parallel=True)` ->
   `DistributedConfig(ep_size=...)`.
+- `drop_generation_values_copied_into_config`: the text-to-audio pipeline copies the generation config into the
+  model config (which `generate` then refuses as legacy generation control) -> it copies into a copy.
 """
 
 from __future__ import annotations
@@ -173,6 +175,19 @@ def generation_defaults() -> dict[str, Any]:
     return defaults() if defaults is not None else {}
 
 
+def drop_generation_values_copied_into_config(config: Any, generation_config: Any) -> None:
+    """Remove from a model `config` the generation settings that equal `generation_config`'s.
+
+    transformers 5.17's text-to-audio pipeline, looking for the sampling rate, updates the model's own config with
+    its generation config; `GenerationMixin.generate` then refuses every later call without a `generation_config`
+    ("You have modified the pretrained model configuration to control generation"). Newer versions update a copy,
+    and then there is nothing to remove. A value a user set that differs from the generation config stays (and is
+    refused by transformers as before)."""
+    for key, value in config._get_generation_parameters().items():
+        if key in vars(config) and getattr(generation_config, key, None) == value:
+            delattr(config, key)
+
+
 def expert_parallel_by_size() -> bool:
     """Whether `DistributedConfig` takes the number of expert-parallel ranks (`ep_size`, newer versions); transformers
     5.17 turns expert parallelism on with `enable_expert_parallel=True` instead (`ep_size` is a TypeError there)."""
@@ -193,6 +208,7 @@ __all__ = [
     "cast_dequantised_weights",
     "checkpointing_training_arguments",
     "dequantised_weights_keep_checkpoint_dtype",
+    "drop_generation_values_copied_into_config",
     "disable_activation_checkpointing",
     "enable_activation_checkpointing",
     "expert_parallel_arguments",

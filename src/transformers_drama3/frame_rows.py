@@ -12,7 +12,7 @@ def padded_on_the_right(attention_mask: torch.Tensor) -> bool:
     """Whether a 0/1 mask `[B, T]` has padding only on the right of some sequence (ones, then zeros)."""
     mask = attention_mask.bool()
     ones_then_zeros = ~(mask[:, 1:] & ~mask[:, :-1]).any(-1)  # no 0 -> 1 step
-    return bool((ones_then_zeros & ~mask[:, -1] & mask.any(-1)).any() and ones_then_zeros.all())
+    return bool((ones_then_zeros & ~mask[:, -1] & mask.any(-1)).any() & ones_then_zeros.all())  # one host read
 
 
 def left_pad_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from types import SimpleNamespace
 
 import torch
 from transformers.utils import logging
@@ -25,6 +26,7 @@ logger = logging.get_logger(__name__)
 
 FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT, FINISH_STOP = "eos", "length", "context", "stop"
 OUTPUT_CHUNK_FRAMES = 256  # the output buffer grows by this many frames: memory follows the frames made
+GREEDY = SimpleNamespace(do_sample=False)  # the settings of a free row
 
 
 class KeptStates:
@@ -205,7 +207,9 @@ class FrameRunner:
         rows = [row for row, key in enumerate(self.keys) if key in set(keys)]
         if not rows:
             return
-        self.state.ended[torch.tensor(rows, device=self.state.slot.device)] = True
+        index = torch.tensor(rows, device=self.state.slot.device)
+        self.state.ended[index] = True
+        self.state.sampler.set_rows(index, GREEDY)  # a free row costs no sampling work
         for row in rows:
             self.keys[row], self.generators[row] = None, None
         self.layout += 1

@@ -25,13 +25,14 @@ from . import compat
 from .checkpoint_location import checkpoint_directory
 from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, expected_checkpoint_tensors
 from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
+from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
 from .loading import default_dtype
 from .modeling_codec import FishDACCodec
 from .modeling_tower import Drama3CodebookTower, Drama3TowerCache
-from .parallel import ParallelRequest
+from .parallel import ParallelRequest, SplitModelRules
 from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method, prepare_quantization
 
 IGNORE_INDEX = -100
@@ -231,7 +232,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
                 f"{name} must be frame rows [batch, rows, {1 + ncb}] ([main_id, c0..c{ncb - 1}], as the processor "
                 f"returns them), got shape {tuple(frames.shape)}"
             )
-        if frames.dtype.is_floating_point or frames.dtype.is_complex or frames.dtype == torch.bool:
+        if not is_integer_dtype(frames.dtype):
             raise ValueError(f"{name} must hold integer ids, got {frames.dtype}")
         if frames.shape[0] == 0 or frames.shape[1] == 0:
             raise ValueError(f"{name} must hold at least one prompt row per sequence, got shape {tuple(frames.shape)}")
@@ -335,7 +336,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
             if not isinstance(labels, torch.Tensor) or labels.shape != input_ids.shape:
                 raise ValueError(f"labels must have the shape of input_ids {tuple(input_ids.shape)}, got "
                                  f"{tuple(getattr(labels, 'shape', ())) or type(labels).__name__}")
-            if labels.dtype.is_floating_point or labels.dtype.is_complex or labels.dtype == torch.bool:
+            if not is_integer_dtype(labels.dtype):
                 raise ValueError(f"labels must hold integer ids (frame rows, main id {IGNORE_INDEX} to leave a row "
                                  f"out), got {labels.dtype}")
         self._check_caches(cache, tower_cache, batch)
@@ -563,6 +564,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         attach_codec(model, codec_state, codec_device)
+        if parallel is not None:
+            model.split_rules = SplitModelRules()  # what generate asks of a model split over ranks
         if candidate_rows_only:
             model.keep_candidate_head_rows()
         return loaded

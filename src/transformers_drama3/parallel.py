@@ -15,7 +15,8 @@ What this module adds:
   `distributed_config` — clear errors before any weight is read (no `torchrun`, `device_map` as well, a world size
   that does not divide what it must split), and the plan adapted to the world size (attention kept whole on every
   rank when the ranks outnumber the key/value heads);
-- the generation hooks `shared_seed` (every rank draws the same sampling noise) and `check_fast_decode_allowed`;
+- `SplitModelRules`, which `from_pretrained` puts on a split model as `model.split_rules`: what generation asks of
+  it (every rank draws the same sampling noise; `fast_decode` refused), without generation importing this module;
 - rank helpers for scripts and the CLI (`rank`, `world_size`, `is_main_process`, `init_process_group`,
   `run_on_main_process`).
 """
@@ -318,34 +319,34 @@ def is_sharded(model) -> bool:
     return (getattr(model, "tp_size", None) or 1) > 1
 
 
-def shared_seed(model, seed, generator):
-    """The seed `generate` should use so that every rank of a sharded model draws the same sampling noise.
+class SplitModelRules:
+    """What `generate` asks of a model split over ranks: `from_pretrained` puts one on such a model as
+    `model.split_rules` (generation itself knows nothing of parallelism)."""
 
-    Ranks that drew different noise would pick different tokens and feed their shards different rows. Not sharded:
-    `seed` unchanged. Sharded: with neither `seed` nor `generator`, rank 0 draws a seed (from torch's global
-    generator) and every rank gets it; a `seed` or a `generator` that differs between ranks is an error.
-    """
-    if not is_sharded(model):
+    def shared_seed(self, model, seed, generator):
+        """The seed `generate` should use so that every rank draws the same sampling noise.
+
+        Ranks that drew different noise would pick different tokens and feed their shards different rows. With
+        neither `seed` nor `generator`, rank 0 draws a seed (from torch's global generator) and every rank gets it; a
+        `seed` or a `generator` that differs between ranks is an error.
+        """
+        if generator is not None:
+            generators = generator if isinstance(generator, (list, tuple)) else [generator]  # one, or one per sequence
+            state = hashlib.sha256(b"".join(g.get_state().cpu().numpy().tobytes() for g in generators)).hexdigest()
+            _require_same_on_every_rank(state, "the `generator` passed to generate has a different state on each "
+                                        "rank: seed it identically everywhere (or pass `seed=`)")
+            return seed
+        if seed is None:
+            box = [int(torch.randint(0, 2**62, ())) if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            return box[0]
+        _require_same_on_every_rank(seed, f"generate got seed={seed} on rank {dist.get_rank()} but other seeds "
+                                    "elsewhere: every rank must use the same seed")
         return seed
-    if generator is not None:
-        generators = generator if isinstance(generator, (list, tuple)) else [generator]  # one, or one per sequence
-        state = hashlib.sha256(b"".join(g.get_state().cpu().numpy().tobytes() for g in generators)).hexdigest()
-        _require_same_on_every_rank(state, "the `generator` passed to generate has a different state on each rank: "
-                                    "seed it identically everywhere (or pass `seed=`)")
-        return seed
-    if seed is None:
-        box = [int(torch.randint(0, 2**62, ())) if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    _require_same_on_every_rank(seed, f"generate got seed={seed} on rank {dist.get_rank()} but other seeds "
-                                "elsewhere: every rank must use the same seed")
-    return seed
 
-
-def check_fast_decode_allowed(model) -> None:
-    """Refuse `fast_decode=True` on a sharded model: its static caches and CUDA graphs have not been checked with
-    the collectives of tensor/expert parallelism."""
-    if is_sharded(model):
+    def check_fast_decode(self) -> None:
+        """Refuse `fast_decode=True`: the static caches and CUDA graphs have not been checked with the collectives
+        of tensor/expert parallelism."""
         raise Drama3ParallelError(
             "fast_decode=True is not supported on a model split over several ranks yet; use the regular frame loop "
             "(fast_decode=False), which runs under tensor and expert parallelism"
@@ -362,8 +363,8 @@ def _require_same_on_every_rank(value, message: str) -> None:
 __all__ = [
     "Drama3ParallelError",
     "ParallelRequest",
+    "SplitModelRules",
     "attention_is_split",
-    "check_fast_decode_allowed",
     "distributed_config",
     "expert_parallel_plan",
     "init_process_group",
@@ -373,7 +374,6 @@ __all__ = [
     "launched_with_torchrun",
     "rank",
     "run_on_main_process",
-    "shared_seed",
     "tensor_parallel_plan",
     "world_size",
 ]

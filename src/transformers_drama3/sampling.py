@@ -1,18 +1,22 @@
-"""The sampling rules of Drama 3 (docs/format.md, "Sampling") as transformers `LogitsProcessor`s.
+"""The sampling rules of Drama 3 (docs/format.md, "Sampling"), per row as tensors and as transformers `LogitsProcessor`s.
 
 One draw of the official server is `sample(logits, T, top_k, top_p, keep_crossing)`: scale by `1 / max(T, 1e-5)` in
 float32, sort, softmax over all candidates, keep by top-p (the token that crosses `top_p` stays for the main token,
 `keep_crossing=True`, and is dropped for the codebook heads, `keep_crossing=False`), always keep rank 0, then keep
-ranks `< top_k`, renormalise, draw. `TopKTopPWarper` computes the kept, scaled logits of that rule.
+ranks `< top_k`, renormalise, draw. `kept_logits` is that rule with one setting per row (tensors), the one
+implementation: `TopKTopPWarper` (scalar settings) and `FrameSampler` (per-row settings) both call it.
 
 Repetition-aware sampling (RAS) redraws the main token with other settings when the first draw is a semantic token
-among the last `window` main ids. `RepetitionAwareLogitsProcessor` returns the log-probabilities of that two-draw
-procedure as a single distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q` has exactly
-the law of "draw from p1; if repeated, draw again from p2", on the device and without a host round trip.
+among the last `window` main ids. `ras_log_probs` returns the log-probabilities of that two-draw procedure as a single
+distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q` has exactly the law of "draw from
+p1; if repeated, draw again from p2", on the device and without a host round trip; its window is per row (0: no RAS
+for that row). `RepetitionAwareLogitsProcessor` is the same with one window for all rows.
 
 `draw` takes its randomness as uniform noise (an exponential race, exact), and `FrameSampler` makes all the draws
 of one frame from a single noise tensor, filled outside the frame step (so a captured CUDA graph replays with new
-noise each frame, and seeds work as usual).
+noise each frame, and seeds work as usual). Its settings are tensors at fixed addresses, one entry per row, written
+between frames (`set_rows`, `copy_rows`): rows with different settings, greedy ones included, share one step and one
+captured graph.
 """
 
 from __future__ import annotations
@@ -22,77 +26,60 @@ from transformers import LogitsProcessor
 
 MIN_TEMPERATURE = 1e-5
 CODEBOOK_TOP_K_CAP = 30  # codebook top-k is capped at 30 (docs/format.md, "Codebook heads")
-# Settings a sampling frame step depends on (besides do_sample).
-SAMPLING_SETTINGS = (
-    "temperature", "top_k", "top_p", "ras_window", "ras_temperature", "ras_top_k", "ras_top_p",
-    "codebook_temperature", "codebook_top_k", "codebook_top_p",
-)
+# Per-row settings of a `FrameSampler` (besides do_sample), named as on a GenerationConfig.
+FLOAT_SETTINGS = ("temperature", "top_p", "ras_temperature", "ras_top_p", "codebook_temperature", "codebook_top_p")
+INTEGER_SETTINGS = ("top_k", "ras_window", "ras_top_k", "codebook_top_k")  # top-k 0: no limit
+SAMPLING_SETTINGS = FLOAT_SETTINGS + INTEGER_SETTINGS
 
 
-class TopKTopPWarper(LogitsProcessor):
-    """Temperature, top-p (keeping or dropping the crossing token) then top-k: the draw rule of docs/format.md ("The draw rule").
+def kept_logits(
+    scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keep_crossing: bool
+) -> torch.Tensor:
+    """The draw rule of docs/format.md ("The draw rule") with one setting per row: float32 logits `[B, C]` scaled by
+    the row's temperature, `-inf` outside its kept set.
 
-    Returns float32 logits scaled by the temperature with `-inf` outside the kept set (`[B, C]` in, `[B, C]` out).
+    `scores` `[B, C]`; `temperature` `[B]` (floored at 1e-5); `top_k` `[B]` long (0: no limit); `top_p` `[B]` in
+    (0, 1]. `keep_crossing` keeps the rank that crosses `top_p` (main token) or drops it (codebook heads).
     """
-
-    def __init__(self, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0, keep_crossing: bool = True):
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be at least 1 (or None for no limit), got {top_k}")
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.keep_crossing = keep_crossing
-
-    def kept(self, scaled: torch.Tensor) -> torch.Tensor:
-        """Bool mask `[B, C]` of the candidates this rule can draw, for logits already scaled."""
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, C]
-        probs = sorted_logits.softmax(dim=-1)
-        inclusive = probs.cumsum(dim=-1)
-        keep = (inclusive - probs) < self.top_p if self.keep_crossing else inclusive <= self.top_p
-        keep[..., 0] = True
-        if self.top_k is not None:
-            keep[..., self.top_k :] = False
-        return torch.zeros_like(keep).scatter(-1, order, keep)
-
-    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.Tensor) -> torch.Tensor:
-        scaled = scores.float() / max(self.temperature, MIN_TEMPERATURE)
-        return scaled.masked_fill(~self.kept(scaled), float("-inf"))
+    scaled = scores.float() / temperature.float().clamp(min=MIN_TEMPERATURE)[:, None]  # [B, C]
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, C]
+    probs = sorted_logits.softmax(dim=-1)
+    inclusive = probs.cumsum(dim=-1)
+    top_p = top_p.float()[:, None]  # [B, 1]
+    keep = (inclusive - probs) < top_p if keep_crossing else inclusive <= top_p  # [B, C] by rank
+    limit = torch.where(top_k > 0, top_k, scores.shape[-1])[:, None]  # [B, 1]
+    keep &= torch.arange(scores.shape[-1], device=scores.device) < limit
+    keep[:, 0] = True
+    kept = torch.zeros_like(keep).scatter(-1, order, keep)  # [B, C] by candidate
+    return scaled.masked_fill(~kept, float("-inf"))
 
 
-class RepetitionAwareLogitsProcessor(LogitsProcessor):
-    """RAS over the main-token candidates (column 0 = EOS, column `1 + c` = `<|semantic:c|>`).
+def repeated_candidates(history: torch.Tensor, window: torch.Tensor, num_candidates: int) -> torch.Tensor:
+    """Bool `[B, V + 1]`: semantic columns among the last `window[b]` entries of `history` `[B, H]` (candidate columns,
+    -1 for no candidate; a window longer than `H` sees all of it). EOS (column 0) never counts."""
+    width = history.shape[1]
+    in_window = torch.arange(width, device=history.device) >= width - window.to(history.device)[:, None]  # [B, H]
+    recent = torch.where(in_window, history, -1)
+    hits = torch.zeros(history.shape[0], num_candidates + 1, dtype=torch.bool, device=history.device)
+    hits.scatter_(1, (recent + 1).clamp(min=0), True)  # column c -> slot c + 1; "no candidate" (-1) -> slot 0
+    hits = hits[:, 1:]
+    hits[:, 0] = False  # EOS never triggers a redraw
+    return hits
 
-    `input_ids` given to `__call__` is the main-token history as candidate columns `[B, >= window]` (-1 for rows
-    that are no candidate, e.g. prompt text); its last `window` entries are the window. Returns log-probabilities
-    `[B, V + 1]` of the two-draw procedure (module docstring).
-    """
 
-    def __init__(self, first: TopKTopPWarper, second: TopKTopPWarper, window: int = 16):
-        if window < 0:
-            raise ValueError(f"ras_window must be >= 0, got {window}")
-        self.first = first
-        self.second = second
-        self.window = window
-
-    def repeated(self, history: torch.Tensor, num_candidates: int) -> torch.Tensor:
-        """Bool `[B, V + 1]`: semantic columns present in the window of `history` `[B, H]`."""
-        recent = history[:, history.shape[1] - min(self.window, history.shape[1]) :]
-        hits = torch.zeros(history.shape[0], num_candidates + 1, dtype=torch.bool, device=history.device)
-        hits.scatter_(1, (recent + 1).clamp(min=0), True)  # column c -> slot c + 1; "no candidate" (-1) -> slot 0
-        hits = hits[:, 1:]
-        hits[:, 0] = False  # EOS never triggers a redraw
-        return hits
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        first = self.first(None, scores).softmax(dim=-1)  # [B, V + 1]
-        if self.window == 0:
-            return first.log()
-        second = self.second(None, scores).softmax(dim=-1)
-        repeated = self.repeated(input_ids, scores.shape[-1])
-        redraw_mass = (first * repeated).sum(dim=-1, keepdim=True)  # [B, 1]
-        return (first * ~repeated + redraw_mass * second).log()
+def ras_log_probs(
+    history: torch.Tensor, window: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None
+) -> torch.Tensor:
+    """Log-probabilities `[B, V + 1]` of the two-draw RAS procedure (module docstring) from the kept logits of the first
+    and second rules (`[B, V + 1]`, `kept_logits`), the main-token history `[B, H]` and the windows `[B]` (0: the
+    first rule alone). `second=None` when no row has a window."""
+    first = first.softmax(dim=-1)  # [B, V + 1]
+    if second is None:
+        return first.log()
+    second = second.softmax(dim=-1)
+    repeated = repeated_candidates(history, window, first.shape[-1])
+    redraw_mass = (first * repeated).sum(dim=-1, keepdim=True)  # [B, 1]
+    return (first * ~repeated + redraw_mass * second).log()
 
 
 def draw(
@@ -109,62 +96,161 @@ def draw(
     return (log_probs.float() - torch.log(-torch.log(noise))).argmax(dim=-1)
 
 
-class FrameSampler:
-    """The draws of one frame of `generate` (docs/format.md, "Sampling"): the main token with RAS, then codes 1..NCB-1.
+class TopKTopPWarper(LogitsProcessor):
+    """Temperature, top-p (keeping or dropping the crossing token) then top-k, one setting for all rows: `kept_logits`.
 
-    Built from the generation settings. All randomness of a frame is one uniform tensor `[B, NCB, V + 1]`
-    (`fill_noise`): the main token draws from `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`. With
-    `do_sample=False` every draw is an argmax and no noise is used.
+    Returns float32 logits scaled by the temperature with `-inf` outside the kept set (`[B, C]` in, `[B, C]` out).
     """
 
-    def __init__(self, rows: int, ras_window: int, device):
-        # TEMPORARY (until per-row tensors land): one settings object for all rows.
-        self.do_sample, self.key, self.settings = False, (False,), None
+    def __init__(self, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0, keep_crossing: bool = True):
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be at least 1 (or None for no limit), got {top_k}")
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.keep_crossing = keep_crossing
 
-    def set_rows(self, index, settings) -> None:
-        self.settings = settings
-        self.do_sample = settings.do_sample
-        self.main_processor = RepetitionAwareLogitsProcessor(
-            TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
-            TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
-            window=settings.ras_window,
+    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.Tensor) -> torch.Tensor:
+        rows = dict(size=(scores.shape[0],), device=scores.device)
+        return kept_logits(
+            scores, torch.full(**rows, fill_value=self.temperature), torch.full(**rows, fill_value=self.top_k or 0),
+            torch.full(**rows, fill_value=self.top_p), self.keep_crossing,
         )
-        codebook_top_k = min(settings.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP)
-        self.codebook_warper = TopKTopPWarper(
-            settings.codebook_temperature, codebook_top_k, settings.codebook_top_p, keep_crossing=False
-        )
-        self.key = (self.do_sample,)
 
-    def copy_rows(self, other, index) -> None:
-        if other.settings is not None:
-            self.set_rows(None, other.settings)
+
+class RepetitionAwareLogitsProcessor(LogitsProcessor):
+    """RAS over the main-token candidates (column 0 = EOS, column `1 + c` = `<|semantic:c|>`), one window for all rows.
+
+    `input_ids` given to `__call__` is the main-token history as candidate columns `[B, >= window]` (-1 for rows
+    that are no candidate, e.g. prompt text); its last `window` entries are the window. Returns log-probabilities
+    `[B, V + 1]` of the two-draw procedure (`ras_log_probs`).
+    """
+
+    def __init__(self, first: TopKTopPWarper, second: TopKTopPWarper, window: int = 16):
+        if window < 0:
+            raise ValueError(f"ras_window must be >= 0, got {window}")
+        self.first = first
+        self.second = second
+        self.window = window
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        window = torch.full((scores.shape[0],), self.window, device=scores.device)
+        second = self.second(None, scores) if self.window else None
+        return ras_log_probs(input_ids, window, self.first(None, scores), second)
+
+
+class FrameSampler:
+    """The draws of one frame (docs/format.md, "Sampling") for `rows` sequences, each with its own settings: the main
+    token with RAS, then codes 1..NCB-1.
+
+    The settings are tensors `[rows]` at fixed addresses (a captured CUDA graph reads them there): `do_sample`, the
+    main-token `temperature`, `top_k` (0: no limit), `top_p`, the RAS `ras_window` (at most the history width
+    `ras_window` given here; 0: no RAS), `ras_temperature`, `ras_top_k`, `ras_top_p`, and the codebook
+    `codebook_temperature`, `codebook_top_k` (capped at 30), `codebook_top_p`. A new sampler's rows are greedy.
+
+    All randomness of a frame is one uniform tensor `[rows, NCB, V + 1]` (`fill_noise`): the main token draws from
+    `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`; greedy rows take the argmax and use no noise.
+    """
+
+    def __init__(self, rows: int, ras_window: int, device: torch.device | str | None = None):
+        if rows < 1 or ras_window < 0:
+            raise ValueError(f"a FrameSampler needs rows >= 1 and a RAS history width >= 0, got {rows} and {ras_window}")
+        self.rows, self.history_width = rows, ras_window
+        self.do_sample = torch.zeros(rows, dtype=torch.bool, device=device)  # [rows]
+        for name in FLOAT_SETTINGS:
+            setattr(self, name, torch.ones(rows, device=device))  # [rows] float32
+        for name in INTEGER_SETTINGS:
+            setattr(self, name, torch.zeros(rows, dtype=torch.long, device=device))  # [rows]
+        self.sampled_rows = [False] * rows  # do_sample on the host: the key and fill_noise read it, never the step
+
+    @property
+    def sampling(self) -> bool:
+        """Whether any row samples (host-known): without, `main` and `codebook` are a plain argmax."""
+        return any(self.sampled_rows)
+
+    @property
+    def key(self) -> tuple:
+        """What a captured step bakes in besides the tensors' addresses: the argmax-only step or the sampling one (any
+        mix of settings runs in the latter; changing a temperature never needs a new capture)."""
+        return (self.sampling,)
+
+    def _host_rows(self, index: torch.Tensor | slice) -> list[int]:
+        return list(range(self.rows)[index]) if isinstance(index, slice) else index.tolist()
+
+    def set_rows(self, index: torch.Tensor | slice, settings) -> None:
+        """Write one settings object's values into rows `index` (a LongTensor `[n]` or a slice), in place.
+
+        `settings` has the Drama 3 attribute names of a generation config (`do_sample`, `temperature`, `top_k`,
+        `ras_window`, `codebook_top_p`, ...), checked already (`generation_settings`). Greedy rows get neutral values
+        (their other settings may be anything). A RAS window longer than the history width sees the whole history.
+        """
+        rows = self._host_rows(index)
+        do_sample = bool(settings.do_sample)
+        if do_sample:
+            values = {name: getattr(settings, name) for name in SAMPLING_SETTINGS}
+            for name in ("top_k", "ras_top_k"):
+                values[name] = values[name] or 0  # None or 0: no limit
+            values["codebook_top_k"] = min(values["codebook_top_k"] or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP)
+            values["ras_window"] = min(values["ras_window"], self.history_width)
+        else:
+            values = {**dict.fromkeys(FLOAT_SETTINGS, 1.0), **dict.fromkeys(INTEGER_SETTINGS, 0)}
+        if isinstance(index, torch.Tensor):
+            index = index.to(self.do_sample.device)
+        self.do_sample[index] = do_sample
+        for name, value in values.items():
+            getattr(self, name)[index] = value
+        for row in rows:
+            self.sampled_rows[row] = do_sample
+
+    def copy_rows(self, other: FrameSampler, index: torch.Tensor) -> None:
+        """Copy rows `index` `[n]` of `other` into rows `[0, n)`, in place (sequences moving between states); the
+        rows from `n` on keep their settings. RAS windows are cut to this sampler's history width."""
+        rows = index.tolist()
+        index = index.to(other.do_sample.device)
+        count = len(rows)
+        for name in ("do_sample", *SAMPLING_SETTINGS):
+            getattr(self, name)[:count] = getattr(other, name)[index].to(self.do_sample.device)
+        self.ras_window.clamp_(max=self.history_width)
+        self.sampled_rows[:count] = [other.sampled_rows[row] for row in rows]
 
     def fill_noise(self, noise: torch.Tensor, generators: torch.Generator | list | None) -> None:
-        """Fill `noise` `[b, NCB, V + 1]` with one frame's uniforms, in place (nothing to do when greedy).
+        """Fill `noise` `[rows, NCB, V + 1]` with one frame's uniforms, in place (nothing to do when no row samples).
 
         `generators` is one `torch.Generator` (or None: torch's default) for all rows, or a list with one per row, so
-        that each sequence draws from its own stream (None entries, for padding rows, are left as they are).
+        that each sequence draws from its own stream (None entries, for padding rows, and greedy rows are left as
+        they are).
         """
-        if not self.do_sample:
+        if not self.sampling:
             return
         if not isinstance(generators, list):
             noise.uniform_(generator=generators)
             return
         for row, generator in enumerate(generators):
-            if generator is not None:
+            if generator is not None and self.sampled_rows[row]:
                 noise[row].uniform_(generator=generator)
 
     def main(self, logits: torch.Tensor, history: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """Candidate column `[B]` of the main token from its logits `[B, V + 1]` (float32) and the RAS history."""
-        if not self.do_sample:
-            return logits.argmax(-1)
-        return draw(self.main_processor(history, logits), noise=noise[:, 0])
+        """Candidate column `[rows]` of the main token from its logits `[rows, V + 1]` (float32) and the RAS history
+        `[rows, ras_window]` (candidate columns); `noise` may be None when no row samples."""
+        greedy = logits.argmax(-1)  # [rows]
+        if not self.sampling:
+            return greedy
+        first = kept_logits(logits, self.temperature, self.top_k, self.top_p, keep_crossing=True)
+        second = None
+        if self.history_width:
+            second = kept_logits(logits, self.ras_temperature, self.ras_top_k, self.ras_top_p, keep_crossing=True)
+        drawn = draw(ras_log_probs(history, self.ras_window, first, second), noise=noise[:, 0])
+        return torch.where(self.do_sample, drawn, greedy)
 
     def codebook(self, logits: torch.Tensor, index: int, noise: torch.Tensor | None) -> torch.Tensor:
-        """Code `[B]` of codebook `index` (1..NCB-1) from its head's logits `[B, V]`."""
-        if not self.do_sample:
-            return logits.argmax(-1)
-        return draw(self.codebook_warper(None, logits), noise=noise[:, index, : logits.shape[-1]])
+        """Code `[rows]` of codebook `index` (1..NCB-1) from its head's logits `[rows, V]`."""
+        greedy = logits.argmax(-1)  # [rows]
+        if not self.sampling:
+            return greedy
+        kept = kept_logits(logits, self.codebook_temperature, self.codebook_top_k, self.codebook_top_p, keep_crossing=False)
+        return torch.where(self.do_sample, draw(kept, noise=noise[:, index, : logits.shape[-1]]), greedy)
 
 
-__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw"]
+__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]

@@ -1,7 +1,8 @@
 """Audio streamers: hear speech while `generate` is still making it.
 
-`generate(..., streamer=...)` calls `streamer.put(codes)` once per frame step in which at least one sequence made a
-frame, with `codes [B, NCB]` (long) for every sequence of the call; the row of a sequence that made no frame in that
+`generate(..., streamer=...)` first hands the streamer the prompt rows `[B, T, 1 + NCB]` (as transformers' generate
+does; Drama 3 streamers skip them), then calls `streamer.put(codes)` once per frame step in which at least one
+sequence made a frame, with `codes [B, NCB]` (long) for every sequence of the call; the row of a sequence that made no frame in that
 step (it has ended) is all -1. `streamer.end()` follows the last frame. Any transformers `BaseStreamer` can listen.
 
 `Drama3AudioStreamer` turns those frames into audio chunks with the codec's streaming decoder, one decoder per
@@ -73,7 +74,10 @@ class Drama3AudioStreamer(BaseStreamer):
         return self._sequences[sequence]
 
     def put(self, value: torch.Tensor) -> None:
-        """`value`: the codes `[B, NCB]` of one frame step, a row of -1 for a sequence that made no frame."""
+        """`value`: the codes `[B, NCB]` of one frame step, a row of -1 for a sequence that made no frame (the prompt
+        rows `[B, T, 1 + NCB]`, which `generate` puts first, are no frames)."""
+        if value.dim() == 3:
+            return
         if value.dim() != 2:
             raise ValueError(f"Drama3AudioStreamer takes one frame step's codes [batch, num_codebooks]; got {tuple(value.shape)}")
         made = (value[:, 0] >= 0).tolist()

@@ -49,12 +49,15 @@ class Drama3Speech:
 
 class _ChunkStreamer(BaseStreamer):
     """Passes every frame on to `targets` and ignores `end`: `generate` ends its stream after each chunk, while
-    `synthesize` ends the streams once, after the last chunk."""
+    `synthesize` ends the streams once, after the last chunk. The prompt rows `[1, T, 1 + NCB]` that `generate` puts
+    first are no frames: a `synthesize` streamer gets frames only."""
 
     def __init__(self, targets: list[BaseStreamer]):
         self.targets = targets
 
     def put(self, value: torch.Tensor) -> None:
+        if value.dim() == 3:
+            return
         for target in self.targets:
             target.put(value)
 

@@ -531,6 +531,7 @@ def test_models_and_prometheus_metrics_count_every_request(server, http):
     assert metric(text, "drama3_time_to_first_audio_seconds_count") >= 1
     assert metric(text, "drama3_queue_seconds_count") >= 1
     assert metric(text, "drama3_frames_total") >= 2 and metric(text, "drama3_batch_occupancy") >= 0
+    assert 1 <= metric(text, "drama3_frame_steps_total") <= metric(text, "drama3_frames_total")
     assert metric(text, 'drama3_speech_requests_total{outcome="completed"}') >= 1
 
 

@@ -162,3 +162,10 @@ def test_bad_requests_are_refused_before_any_work(model, prompts):
     with pytest.raises(ValueError, match="max_batch"):
         Drama3Engine(model, max_batch=0)
     assert engine.queued == 1
+
+
+def test_init_continuous_batching_gives_an_engine_with_the_models_defaults(model, prompts):
+    engine = model.init_continuous_batching(max_batch=2)
+    assert isinstance(engine, Drama3Engine) and engine.max_batch == 2
+    result = engine.get_result(engine.add_request(prompts[1], seed=5, max_new_tokens=5))
+    assert torch.equal(result.codes, alone(model, prompts[1], seed=5, max_new_tokens=5)[0])

@@ -164,11 +164,20 @@ def test_noise_is_drawn_for_sampled_rows_from_their_own_generators():
         assert torch.equal(noise[row], torch.rand(NUM_CODEBOOKS, NUM_CANDIDATES, generator=torch.Generator().manual_seed(row)))
 
 
-def test_bad_sampler_sizes_are_refused():
+def test_bad_sampler_sizes_and_rows_are_refused():
     with pytest.raises(ValueError, match="rows >= 1"):
         FrameSampler(0, 4)
     with pytest.raises(ValueError, match="history width >= 0"):
         FrameSampler(2, -1)
+    sampler = FrameSampler(3, 4)
+    for rows in (torch.tensor([True, False, True]), [0, 1], torch.tensor(1)):
+        with pytest.raises(TypeError, match="1-D LongTensor"):
+            sampler.set_rows(rows, settings())
+    with pytest.raises(TypeError, match="1-D LongTensor"):
+        sampler.copy_rows(mixed_sampler(), torch.tensor([0.0]))
+    with pytest.raises(IndexError):
+        sampler.set_rows(torch.tensor([3]), settings())
+    assert sampler.key == (False,) and not sampler.do_sample.any()  # nothing was written
 
 
 # ---------------------------------------------------------------------------------------------------------------

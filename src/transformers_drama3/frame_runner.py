@@ -319,15 +319,14 @@ class FrameLoop:
     """One `generate` call after its prefill: the whole batch admitted into a `FrameRunner` at once, its outputs,
     streaming, stopping criteria and the retirement of finished sequences."""
 
-    def __init__(self, model, settings, prefill, input_ids, attention_mask, generators, streamer, logits_processor,
-                 stopping_criteria):
+    def __init__(self, model, settings, frames: int, prefill, input_ids, attention_mask, generators, streamer,
+                 logits_processor, stopping_criteria):
         self.model, self.settings, self.streamer = model, settings, streamer
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.prefill, self.generators = prefill, generators
         batch, self.rows, width = input_ids.shape
-        self.limit = model.config.text_config.max_position_embeddings
-        # Frames this call can make: max_new_tokens, or up to the context (the last frame is not fed back).
-        self.frames = min(settings.max_new_tokens, self.limit - self.rows + 1)
+        # Frames this call can make (generate's frame limit): max_new_tokens, or up to the context.
+        self.frames = frames
         self.input_ids, self.attention_mask = input_ids, attention_mask
         # Prompt rows then the generated rows, grown in chunks (`_room`).
         self.sequences = torch.cat((input_ids, input_ids.new_zeros(batch, min(self.frames, OUTPUT_CHUNK_FRAMES), width)), 1)

@@ -33,7 +33,7 @@ from transformers import StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from .device_placement import execution_device
-from .modeling_tower import rotary_angles
+from .modeling_tower import additive_mask, rotary_angles
 from .sampling import FrameSampler
 
 WINDOW_CHUNK = 256  # the smallest attention window; windows double from here
@@ -134,8 +134,7 @@ def step_mask(valid: torch.Tensor, dtype: torch.dtype, attention: str | None) ->
     """
     if attention is not None and "flash" in attention:
         return valid.long()
-    bias = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
-    return bias.masked_fill(~valid, torch.finfo(dtype).min)[:, None, None, :]
+    return additive_mask(valid, dtype)[:, None, None, :]
 
 
 class FrameState:

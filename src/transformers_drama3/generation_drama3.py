@@ -46,7 +46,7 @@ from .device_placement import execution_device
 from .frame_rows import left_pad_rows, padded_on_the_right
 from .frame_runner import FrameLoop, check_cuda_graphs, request_generators
 from .prompt_cache import PromptCache, prefill
-from .sampling import FrameSampler, RepetitionAwareLogitsProcessor
+from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
@@ -211,6 +211,16 @@ class Drama3GenerationMixin(GenerationMixin):
         device for later calls (they are rebuilt on the next such call)."""
         self._kept_frame_states = None
 
+    def init_continuous_batching(self, generation_config: GenerationConfig | None = None, max_batch: int = 8,
+                                 fast_decode: bool = False, compile_step: bool | str = False):
+        """A `Drama3Engine` (engine.py) over this model: continuous batching, where transformers' manager (text
+        tokens only) cannot run frames. `generation_config`: the requests' default settings. Start it with
+        `start()` (or `with`), then `add_request` / `get_result`."""
+        from .engine import Drama3Engine  # engine.py imports this module
+
+        return Drama3Engine(self, max_batch=max_batch, fast_decode=fast_decode, compile_step=compile_step,
+                            generation_config=generation_config)
+
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
         """transformers' merge (`model.generation_config` < `generation_config` < keywords), after refusing the
         settings that do not apply and checking Drama 3's own (before transformers' checks, which name fewer)."""
@@ -249,7 +259,7 @@ class Drama3GenerationMixin(GenerationMixin):
                       "Drama 3 applies a logits_processor to the main-token candidate logits [batch, V + 1] of each "
                       "frame (column 0 EOS, column 1 + c <|semantic:c|>), not to text token ids")
         if generation_config.do_sample:
-            processors.append(FrameSampler(generation_config).main_processor)
+            processors.append(main_token_rule(generation_config))
         return processors
 
     def _get_stopping_criteria(self, generation_config: GenerationConfig, stopping_criteria=None, **kwargs):
@@ -288,11 +298,12 @@ class Drama3GenerationMixin(GenerationMixin):
         user_criteria = [c for c in stopping_criteria if c is not limit]
 
         prefilled = prefill(self, input_ids, attention_mask, model_kwargs.get("prompt_cache"))
-        loop = FrameLoop(self, settings, prefilled, input_ids, attention_mask, generators, streamer,
+        frames = limit.max_length - input_ids.shape[1]  # max_new_tokens, within the context
+        loop = FrameLoop(self, settings, frames, prefilled, input_ids, attention_mask, generators, streamer,
                          LogitsProcessorList(user_processors) if user_processors else None,
                          StoppingCriteriaList(user_criteria) if user_criteria else None)
         try:
-            with tqdm(total=limit.max_length - input_ids.shape[1], unit="frame", leave=False,
+            with tqdm(total=frames, unit="frame", leave=False,
                       disable=not model_kwargs.get("show_progress")) as bar:
                 loop.run(on_step=bar.update)
         finally:

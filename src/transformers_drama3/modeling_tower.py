@@ -394,8 +394,14 @@ def tower_attention_mask(
     allowed = (key <= query)[None]  # [1, rows, past + rows]
     if attention_mask is not None:
         allowed = (allowed & attention_mask.to(device=device, dtype=torch.bool)[:, None, :]) | (key == query)[None]
-    bias = torch.zeros(allowed.shape, dtype=dtype, device=device)
-    return bias.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+    return additive_mask(allowed, dtype)[:, None]
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention bias of a bool mask (True = a key may be attended): 0 there, the dtype's minimum
+    elsewhere (finite, so that a row with no key left still has a finite softmax). The tower's masks and the frame
+    step's both end here."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
 class Drama3CodebookTower(PreTrainedModel):

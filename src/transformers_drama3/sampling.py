@@ -141,6 +141,17 @@ class RepetitionAwareLogitsProcessor(LogitsProcessor):
         return ras_log_probs(input_ids, window, self.first(None, scores), second)
 
 
+def main_token_rule(settings) -> RepetitionAwareLogitsProcessor:
+    """The main-token rule of one settings object (a generation config with Drama 3's keys) as a transformers
+    `LogitsProcessor`: temperature, top-p, top-k (0 or None: no limit), then the repetition-aware redraw. A frame
+    step runs the same rule from `FrameSampler`'s tensors (`set_rows` reads the same settings)."""
+    return RepetitionAwareLogitsProcessor(
+        TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
+        TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
+        window=settings.ras_window,
+    )
+
+
 class FrameSampler:
     """The draws of one frame (docs/format.md, "Sampling") for `rows` sequences, each with its own settings: the main
     token with RAS, then codes 1..NCB-1.
@@ -177,7 +188,11 @@ class FrameSampler:
         return (self.sampling,)
 
     def _host_rows(self, index: torch.Tensor | slice) -> list[int]:
-        return list(range(self.rows)[index]) if isinstance(index, slice) else index.tolist()
+        if isinstance(index, slice):
+            return list(range(self.rows)[index])
+        if not isinstance(index, torch.Tensor) or index.dtype != torch.long or index.dim() != 1:
+            raise TypeError(f"rows are given as a slice or a 1-D LongTensor of row numbers, got {index!r}")
+        return index.tolist()
 
     def set_rows(self, index: torch.Tensor | slice, settings) -> None:
         """Write one settings object's values into rows `index` (a LongTensor `[n]` or a slice), in place.
@@ -207,7 +222,7 @@ class FrameSampler:
     def copy_rows(self, other: FrameSampler, index: torch.Tensor) -> None:
         """Copy rows `index` `[n]` of `other` into rows `[0, n)`, in place (sequences moving between states); the
         rows from `n` on keep their settings. RAS windows are cut to this sampler's history width."""
-        rows = index.tolist()
+        rows = self._host_rows(index)
         index = index.to(other.do_sample.device)
         count = len(rows)
         for name in ("do_sample", *SAMPLING_SETTINGS):
@@ -253,4 +268,4 @@ class FrameSampler:
         return torch.where(self.do_sample, draw(kept, noise=noise[:, index, : logits.shape[-1]]), greedy)
 
 
-__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]
+__all__ = ["FrameSampler", "main_token_rule", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]

@@ -297,7 +297,7 @@ def test_concurrent_requests_are_batched_and_each_gets_its_own_audio(server, ref
 
 
 def test_a_response_ends_when_its_own_sequence_ends(server):
-    """A 3-frame request batched with a long one gets its whole response while the long one is still generating."""
+    """A 3-frame request sent while a long one runs gets its whole response while the long one is still generating."""
     long_body = {"model": MODEL, "input": "Hello there.", "temperature": 0, "max_new_tokens": MAX_FRAMES,
                  "response_format": "pcm"}
     short_body = {"model": MODEL, "input": "Short one.", "temperature": 0, "max_new_tokens": 3,
@@ -315,8 +315,7 @@ def test_a_response_ends_when_its_own_sequence_ends(server):
 
     short, long_id, frames = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT))
     assert short.status_code == 200 and len(short.content) == 3 * 2048 * 2
-    assert short.headers["x-request-id"] in frames  # the two requests ran in one batch
-    assert frames[long_id] < MAX_FRAMES  # which was still generating the long one
+    assert frames[long_id] < MAX_FRAMES  # the long one was still generating when the short one was answered
 
 
 def test_seeded_sampling_inside_a_batch_equals_alone(server):

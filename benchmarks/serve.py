@@ -5,7 +5,8 @@ A real uvicorn server runs in this process (a thread, 127.0.0.1, `--max-batch` 1
 are httpx coroutines. For each concurrency C the same C * `--requests-per-client` greedy requests (distinct texts,
 `--frames` frames each, streamed 16-bit PCM) are sent twice: by C clients at once, each sending its requests back to
 back, and one at a time. Reported per concurrency: audio seconds per wall second (throughput), time to first audio
-(from sending the request to the first audio byte) p50 and p90 (nearest rank), the batch sizes the worker ran, and
+(from sending the request to the first audio byte) p50 and p90 (nearest rank), the batch occupancy (frame steps by
+the number of requests that made a frame in them), and
 the ratio of throughputs concurrent / one at a time (the gain from batching, measured side by side in one run).
 
 Checkpoints: `tiny` (the embedded tiny checkpoint: golden tiny geometry), `small` (the `small` backbone and tower
@@ -98,9 +99,9 @@ def percentile(values: list[float], fraction: float) -> float:
 
 def measure(server: ServerThread, clients: int, per_client: int, frames: int) -> dict:
     metrics = server.service.worker.metrics
-    before = dict(metrics.batch_sizes)
+    before = dict(metrics.occupancy)
     together, together_wall = asyncio.run(run_clients(server.url, clients, per_client, frames))
-    sizes = {size: count - before.get(size, 0) for size, count in metrics.batch_sizes.items()
+    sizes = {size: count - before.get(size, 0) for size, count in metrics.occupancy.items()
              if count - before.get(size, 0)}
     alone, alone_wall = asyncio.run(run_clients(server.url, 1, clients * per_client, frames))
     audio = sum(r["audio_s"] for r in together)
@@ -110,7 +111,7 @@ def measure(server: ServerThread, clients: int, per_client: int, frames: int) ->
         "concurrent_wall_s": together_wall, "throughput": audio / together_wall,
         "first_audio_p50_s": statistics.median(first) if first else None,
         "first_audio_p90_s": percentile(first, 0.9) if first else None,
-        "batch_sizes": {str(size): count for size, count in sorted(sizes.items())},
+        "occupancy": {str(size): count for size, count in sorted(sizes.items())},
         "one_at_a_time_wall_s": alone_wall,
         "one_at_a_time_throughput": sum(r["audio_s"] for r in alone) / alone_wall,
         "one_at_a_time_first_audio_p50_s": statistics.median(r["first_audio_s"] for r in alone if r["first_audio_s"]),
@@ -140,11 +141,11 @@ def main() -> int:
     }
     print(f"{result['checkpoint']} on {result['device']}, {args.frames} frames per request, "
           f"threads {result['threads']}")
-    print("clients | audio s / wall s | one at a time | ratio | first audio p50 / p90 | batch sizes")
+    print("clients | audio s / wall s | one at a time | ratio | first audio p50 / p90 | frame steps by occupancy")
     for row in rows:
         print(f"{row['clients']:>7} | {row['throughput']:>16.3f} | {row['one_at_a_time_throughput']:>13.3f} | "
               f"{row['throughput'] / row['one_at_a_time_throughput']:>5.2f} | "
-              f"{row['first_audio_p50_s']:.3f} s / {row['first_audio_p90_s']:.3f} s | {row['batch_sizes']}")
+              f"{row['first_audio_p50_s']:.3f} s / {row['first_audio_p90_s']:.3f} s | {row['occupancy']}")
     if args.output:
         with open(args.output, "w") as f:
             json.dump(result, f, indent=2)

@@ -41,6 +41,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from configs import served_checkpoint
 
@@ -121,7 +122,16 @@ class Server:
         return psutil.Process(self.process.pid).memory_info().rss / 2**20
 
     def metrics(self) -> dict:
-        return httpx.get(f"{self.url}/metrics", timeout=30).json()
+        """Its queue, running requests and cancelled count, from `GET /metrics` (the Prometheus text format)."""
+        text = httpx.get(f"{self.url}/metrics", timeout=30).text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name in ("drama3_queue_length", "drama3_running"):
+                    values[{"drama3_queue_length": "queued", "drama3_running": "running"}[sample.name]] = sample.value
+                elif sample.name == "drama3_speech_requests_total" and sample.labels.get("outcome") == "cancelled":
+                    values["cancelled"] = sample.value
+        return values
 
     def stop(self) -> None:
         self.process.terminate()

@@ -89,6 +89,17 @@ def test_max_batch_queues_the_rest_and_admits_them_as_rows_free(model, prompts):
         assert torch.equal(results[request_id].codes, alone(model, rows, do_sample=False, max_new_tokens=6)[0])
 
 
+def test_a_request_queued_at_the_front_is_admitted_before_those_waiting(model, prompts):
+    engine = Drama3Engine(model, max_batch=1)
+    engine.add_request(prompts[0], request_id="running", do_sample=False, max_new_tokens=2)
+    engine.step()
+    engine.add_request(prompts[1], request_id="waiting", do_sample=False, max_new_tokens=2)
+    engine.add_request(prompts[2], request_id="front", do_sample=False, max_new_tokens=2, front=True)
+    engine.step()  # the running request makes its last frame and leaves
+    engine.step()  # its row goes to the front request
+    assert [r.request_id for r in engine.waiting] == ["waiting"] and "front" in engine.runner.running
+
+
 def test_cancel_while_waiting_and_while_running(model, prompts):
     engine = Drama3Engine(model, max_batch=1)
     running = engine.add_request(prompts[0], do_sample=False, max_new_tokens=30)

@@ -45,7 +45,7 @@ def voices_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(voices_dir):
     settings = ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, voices_dir=voices_dir, api_key=KEY,
-                              batch_window_ms=50, max_frames=50, max_text_chars=300)
+                              max_frames=50, max_text_chars=300)
     with ServerThread(settings).wait_until_ready(TIMEOUT) as running:
         yield running
 

@@ -64,7 +64,7 @@ def replicas(voices, tmp_path_factory):
     for index in range(2):
         port, log = free_port(), logs / f"replica{index}.log"
         command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port), "--voices",
-                   str(voices), "--max-frames", "8", "--batch-window-ms", "0"]
+                   str(voices), "--max-frames", "8"]
         with open(log, "w") as output:
             process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
         started.append((process, f"http://127.0.0.1:{port}", log))

@@ -126,7 +126,8 @@ class Drama3Engine:
                     seed: int | None = None, generator: torch.Generator | None = None,
                     prompt_cache: PromptCache | None = None, streaming: bool = False,
                     on_frame: Callable[[str, torch.LongTensor], None] | None = None,
-                    on_finish: Callable[[Drama3Result], None] | None = None, **settings) -> str:
+                    on_finish: Callable[[Drama3Result], None] | None = None, front: bool = False,
+                    **settings) -> str:
         """Queue one request and return its id; it joins the running batch at the next frame boundary.
 
         `input_ids`: the prompt's frame rows `[T, 1 + NCB]` (or `[1, T, 1 + NCB]`, no padding), as `Drama3Processor`
@@ -136,7 +137,9 @@ class Drama3Engine:
         its prefill from a cached prefix (prompt_cache.py). `on_frame(request_id, codes [NCB])` is called for each
         frame as it is made, `on_finish(result)` once at the end (the result then goes there, not to `get_result`); with
         `streaming=True`, `request_id_iter` yields the
-        frames. Bad input raises here (`ValueError`, `TypeError`), before anything runs.
+        frames. `front=True` queues it before the requests already waiting (a server's next text chunk of a request
+        that is speaking, so its audio goes on without waiting behind newcomers). Bad input raises here (`ValueError`,
+        `TypeError`), before anything runs.
         """
         if input_ids.dim() == 2:
             input_ids = input_ids[None]
@@ -173,7 +176,7 @@ class Drama3Engine:
             request = EngineRequest(request_id, input_ids, attention_mask, request_settings, generator, limit, reason,
                                     prompt_cache, on_frame, on_finish, queue.Queue() if streaming else None)
             self.requests[request_id] = request
-            self.waiting.append(request)
+            self.waiting.appendleft(request) if front else self.waiting.append(request)
             self._lock.notify_all()
         return request_id
 

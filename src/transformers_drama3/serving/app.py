@@ -75,9 +75,8 @@ class SpeechService:
         processor = Drama3Processor.from_pretrained(settings.model, codec=model.codec)
         processor.max_reference_seconds = settings.max_reference_seconds
         step_options = {"fast_decode": settings.fast_decode, "compile_step": settings.compile_step}
-        worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, settings.batch_window_ms,
-                                  step_options=step_options, log_text=settings.log_text,
-                                  prompt_cache_bytes=int(settings.prompt_cache_mb * 2**20))
+        worker = GenerationWorker(model, processor, settings.max_batch, settings.max_queue, step_options=step_options,
+                                  log_text=settings.log_text, prompt_cache_bytes=int(settings.prompt_cache_mb * 2**20))
         return cls(model, processor, worker)
 
 
@@ -97,9 +96,9 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
             if on_load_failure is not None:
                 on_load_failure(error)
             return
+        service.worker.start()
         app.state.service = service
         logger.info("ready: serving %s as %r", settings.model, settings.model_name)
-        await service.worker.run()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -191,8 +190,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         def encode():
             return service.processor.create_voice(transcript, samples, rate, name=name)
 
-        # The generation thread encodes it, between two batches: the model is used by one thread at a time.
-        voice = await asyncio.get_running_loop().run_in_executor(service.worker.executor, encode)
+        # The generation thread encodes it, between two frames: the model is used by one thread at a time.
+        voice = await service.worker.call(encode)
         replaced = await asyncio.to_thread(voices.save, name, voice, replacing is not None)
         logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
         return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
@@ -337,7 +336,7 @@ def voice_name(name: str, aliases: dict[str, str], voices: VoiceLibrary) -> str:
 
 
 def sampling_settings(body: SpeechRequest, service: SpeechService, settings: ServerSettings) -> tuple[dict, int]:
-    """The request's sampling settings (those a batch shares) and its frame limit, checked by `generation_settings`
+    """The request's sampling settings and its frame limit, checked by `generation_settings`
     as `generate` would check them; `temperature` 0 means greedy decoding."""
     requested = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "max_new_tokens")}
     requested = {name: value for name, value in requested.items() if value is not None}
@@ -356,7 +355,7 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
         raise APIError(400, message, param, "invalid_value") from error
     if checked_settings.do_sample:
         sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,
-                    "top_k": checked_settings.top_k or None}  # 0 and None both mean no limit: one batch key
+                    "top_k": checked_settings.top_k or None}  # 0 and None both mean no limit
     else:
         sampling = {"do_sample": False}
     max_new_tokens = requested.get("max_new_tokens", min(checked_settings.max_new_tokens, settings.max_frames))

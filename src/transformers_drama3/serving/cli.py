@@ -61,16 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="replay the frame step as a CUDA graph on a GPU (docs/usage.md)")
     run.add_argument("--compile-step", nargs="?", const=True, default=False, metavar="BACKEND",
                      help="torch.compile the frame step first (inductor, or the named backend; compiles on the first "
-                     "request of each batch size)")
+                     "frames of each batch size)")
 
     limits = parser.add_argument_group("batching and limits")
     limits.add_argument("--max-batch", type=int, default=DEFAULTS.max_batch,
-                        help=f"most requests generated together in one batch (default {DEFAULTS.max_batch})")
-    limits.add_argument("--batch-window-ms", type=float, default=DEFAULTS.batch_window_ms,
-                        help="after a request arrives at an idle server, wait this long for others to batch with it "
-                        f"(default {DEFAULTS.batch_window_ms:g})")
+                        help=f"most requests generating at once; others join the running batch at a frame boundary "
+                        f"as rows free (default {DEFAULTS.max_batch})")
     limits.add_argument("--max-queue", type=int, default=DEFAULTS.max_queue,
-                        help=f"waiting requests beyond which new ones get 429 (default {DEFAULTS.max_queue})")
+                        help=f"requests waiting for their first frame beyond which new ones get 429 "
+                        f"(default {DEFAULTS.max_queue})")
     limits.add_argument("--max-text-chars", type=int, default=DEFAULTS.max_text_chars,
                         help=f"longest input text, in characters (default {DEFAULTS.max_text_chars}, as OpenAI)")
     limits.add_argument("--max-reference-seconds", type=float, default=DEFAULTS.max_reference_seconds,
@@ -126,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             model=default_tiny_checkpoint() if args.tiny else args.model,
             model_name=args.model_name or ("drama3-tiny" if args.tiny else None), voices_dir=args.voices,
             api_key=args.api_key, device=args.device, dtype=args.dtype, max_batch=args.max_batch,
-            batch_window_ms=args.batch_window_ms, max_queue=args.max_queue, max_text_chars=args.max_text_chars,
+            max_queue=args.max_queue, max_text_chars=args.max_text_chars,
             max_reference_seconds=args.max_reference_seconds, max_body_bytes=args.max_body_bytes,
             max_frames=args.max_frames, chunk_bytes=args.chunk_bytes, fast_decode=args.fast_decode,
             compile_step=args.compile_step, log_text=args.log_text, voice_aliases=aliases,

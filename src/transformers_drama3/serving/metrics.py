@@ -2,13 +2,14 @@
 
     drama3_http_requests_total{route, status}   every HTTP request answered, by route and status (4xx and 5xx too)
     drama3_time_to_first_audio_seconds          histogram: request received -> its first audio ready
-    drama3_queue_seconds                        histogram: request received -> its generation started
+    drama3_queue_seconds                        histogram: request received -> admitted into the running batch
     drama3_frames_total                         frames generated (frames per second: rate(drama3_frames_total[1m]))
     drama3_audio_seconds_total                  seconds of audio generated
     drama3_speech_requests_total{outcome}       speech requests by outcome: completed, failed, cancelled, rejected
-    drama3_batches_total                        generate calls
-    drama3_queue_length, drama3_running         waiting and generating requests now
-    drama3_batch_occupancy                      running requests / --max-batch, now
+    drama3_frame_steps_total                    frame steps of the engine (mean batch occupancy over a window:
+                                                rate(drama3_frames_total) / rate(drama3_frame_steps_total))
+    drama3_queue_length, drama3_running         requests waiting for their first frame, and admitted ones, now
+    drama3_batch_occupancy                      sequences in the engine's running batch / --max-batch, now
     drama3_prompt_cache_{entries,bytes}         saved voices' cached prompt prefixes now; _hits/_misses/_evictions_total
 
 The worker's counters are read when Prometheus scrapes (`WorkerCollector`), so the worker keeps one set of
@@ -42,11 +43,11 @@ class WorkerCollector:
         yield outcomes
         yield CounterMetricFamily("drama3_frames", "Frames generated", value=snapshot["frames"])
         yield CounterMetricFamily("drama3_audio_seconds", "Seconds of audio generated", value=snapshot["audio_seconds"])
-        yield CounterMetricFamily("drama3_batches", "Batched generate calls", value=snapshot["batches"])
+        yield CounterMetricFamily("drama3_frame_steps", "Frame steps of the engine", value=snapshot["steps"])
         yield GaugeMetricFamily("drama3_queue_length", "Requests waiting", value=snapshot["queued"])
         yield GaugeMetricFamily("drama3_running", "Requests generating now", value=snapshot["running"])
-        yield GaugeMetricFamily("drama3_batch_occupancy", "Running requests / --max-batch",
-                                value=snapshot["running"] / self.max_batch)
+        yield GaugeMetricFamily("drama3_batch_occupancy", "Sequences in the running batch / --max-batch",
+                                value=snapshot["running_sequences"] / self.max_batch)
         cache = snapshot.get("prompt_cache") or {}
         for name in ("entries", "bytes"):
             if name in cache:
@@ -67,7 +68,7 @@ class ServerMetrics:
                                 registry=self.registry)
         self.first_audio = Histogram("drama3_time_to_first_audio_seconds", "Request received -> first audio ready",
                                      buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.queued = Histogram("drama3_queue_seconds", "Request received -> generation started",
+        self.queued = Histogram("drama3_queue_seconds", "Request received -> admitted into the running batch",
                                 buckets=LATENCY_BUCKETS, registry=self.registry)
         self.registry.register(WorkerCollector(worker, max_batch))
 

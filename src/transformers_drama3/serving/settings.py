@@ -14,13 +14,13 @@ class ServerSettings:
 
     model: checkpoint directory or Hub id. model_name: the id clients send as `model` and `GET /v1/models` lists
     (default: the checkpoint's directory name). voices_dir: where saved voices (`NAME.voice.safetensors`) live.
-    api_key: when set, every `/v1` call needs `Authorization: Bearer API_KEY`. max_batch: most requests in one
-    `generate`. batch_window_ms: how long the worker waits after a first request for others to batch with it.
-    max_queue: waiting requests beyond which new ones get 429. max_text_chars: longest `input` (413 beyond).
+    api_key: when set, every `/v1` call needs `Authorization: Bearer API_KEY`. max_batch: most requests generating
+    at once (the engine's running batch). max_queue: requests waiting for their first frame beyond which new ones get
+    429. max_text_chars: longest `input` (413 beyond).
     max_reference_seconds: longest reference or enrolled voice audio. max_body_bytes: largest request body
     (JSON with base64 references, or a voice upload; 413 beyond). max_frames: the most frames (21.5 per second)
     a request may ask for per text chunk, also the default. chunk_bytes: long `input` is spoken in chunks of at
-    most this many UTF-8 bytes. fast_decode / compile_step: how `generate` runs its frame step (a CUDA graph per frame
+    most this many UTF-8 bytes. fast_decode / compile_step: how the engine runs its frame step (a CUDA graph per frame
     on CUDA / `torch.compile` first, True or a backend name; docs/usage.md). log_text: put the text of each request in
     the log (off: only its length). voice_aliases: OpenAI voice names (or any names) -> saved voice names
     (`--voice-alias alloy=narrator`); an OpenAI voice name without one speaks with `default`.
@@ -35,7 +35,6 @@ class ServerSettings:
     device: str = "auto"
     dtype: str = "auto"
     max_batch: int = 16
-    batch_window_ms: float = 10.0
     max_queue: int = 64
     max_text_chars: int = 4096
     max_reference_seconds: float = 60.0
@@ -56,8 +55,6 @@ class ServerSettings:
         for name in ("prompt_cache_mb", "drain_seconds"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.batch_window_ms < 0:
-            raise ValueError(f"batch_window_ms must be >= 0, got {self.batch_window_ms}")
         if self.max_reference_seconds <= 0:
             raise ValueError(f"max_reference_seconds must be > 0, got {self.max_reference_seconds}")
         if self.chunk_bytes < MIN_CHUNK_BYTES:

@@ -48,7 +48,7 @@ stage machine 30 bash -c 'date -u; nvidia-smi || true; python -c "import torch, 
 print(platform.platform(), \"python\", platform.python_version());
 print(\"torch\", torch.__version__, \"transformers\", transformers.__version__, \"cuda\", torch.cuda.is_available())"'
 if [ "$DEVICE" = cuda ]; then
-    stage cuda-tests 60 python -m pytest -q -p no:cacheprovider tests/test_frame_step.py -k cuda -rs
+    stage cuda-tests 60 python -m pytest -q -p no:cacheprovider tests/test_frame_step.py tests/test_engine.py -k cuda -rs
 fi
 stage frame-step 170 python benchmarks/frame_step.py --config "$CONFIG" --device "$DEVICE" \
     --modes "$([ "$DEVICE" = cuda ] && echo eager,graph || echo eager)" --batches 1,16 --warmup 3 --frames 16 \

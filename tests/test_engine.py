@@ -169,3 +169,28 @@ def test_init_continuous_batching_gives_an_engine_with_the_models_defaults(model
     assert isinstance(engine, Drama3Engine) and engine.max_batch == 2
     result = engine.get_result(engine.add_request(prompts[1], seed=5, max_new_tokens=5))
     assert torch.equal(result.codes, alone(model, prompts[1], seed=5, max_new_tokens=5)[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_engine_admits_mid_flight_and_gives_the_eager_frames(expected):
+    """On CUDA, an engine with `fast_decode=True` replays captured steps over power-of-two rows: requests admitted
+    mid-flight (the state grows to 2 and 4 rows; one long prompt moves the others to later slots), with mixed
+    settings, give the frames eager `generate` gives each alone (run on a GPU machine: `-k cuda`)."""
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32, device_map="cuda")
+    model.set_experts_implementation("batched_mm")  # what a captured step runs: the same numbers both ways
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    prompts = [a[:10], b[:6], torch.cat([b] * 3)[:40], a[:8]]
+    settings = [dict(do_sample=False, max_new_tokens=24), dict(seed=1, max_new_tokens=20),
+                dict(seed=2, temperature=0.7, top_k=20, max_new_tokens=16), dict(do_sample=False, max_new_tokens=12)]
+    engine = Drama3Engine(model, max_batch=4, fast_decode=True)
+    ids = []
+    for rows, kwargs in zip(prompts, settings):
+        ids.append(engine.add_request(rows.cuda(), **kwargs))
+        for _ in range(3):
+            engine.step()
+    for rows, kwargs, request_id in zip(prompts, settings, ids):
+        result = engine.get_result(request_id)
+        eager = model.generate(rows[None].cuda(), output_audio=False, **kwargs)
+        assert result.finish_reason == eager.finish_reason[0]
+        assert torch.equal(result.codes, eager.codes[0].cpu())
+    assert any(state.graphs for state in engine.runner.kept.states.values())  # kept, with their graphs

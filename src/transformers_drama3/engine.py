@@ -330,29 +330,29 @@ class Drama3Engine:
         """One frame of every running sequence; its codes go to their requests, finished ones leave."""
         self.runner.step()
         rows, keys = self.runner.rows()
-        state = self.runner.state
-        flags = torch.cat((state.new_rows, torch.stack((state.made, state.ended), 1).long(), state.count[:, None]), 1)
-        flags = flags.cpu()  # [b, 1 + NCB + 3]: the one host read of the frame
+        outputs = self.runner.read()  # [b, 1 + NCB + 3]: the one host read of the frame
         now = time.monotonic()
-        ended = []
+        failed = {}
         for row, key in zip(rows, keys):
+            if not bool(outputs[row, -3]):  # no frame: EOS, or ended before
+                continue
             request = self.requests[key]
-            new_row, made, has_ended = flags[row, :-3], bool(flags[row, -3]), bool(flags[row, -2])
-            if made:
-                codes = new_row[1:].clone()  # [NCB]
-                request.frames.append(codes)
-                request.first_frame_at = request.first_frame_at or now
-                if request.on_frame is not None:
-                    try:
-                        request.on_frame(key, codes)
-                    except Exception as error:  # noqa: BLE001  (this request fails alone)
-                        logger.error("request %s: on_frame failed: %s", key, error)
-                        ended.append((request, FINISH_FAILED, error))
-                        continue
-                if request.stream is not None:
-                    request.stream.put(codes)
-            if has_ended:
-                at_limit = int(flags[row, -1]) >= request.frame_limit
+            codes = outputs[row, 1 : -3].clone()  # [NCB]
+            request.frames.append(codes)
+            request.first_frame_at = request.first_frame_at or now
+            if request.on_frame is not None:
+                try:
+                    request.on_frame(key, codes)
+                except Exception as error:  # noqa: BLE001  (this request fails alone)
+                    logger.error("request %s: on_frame failed: %s", key, error)
+                    failed[key] = error
+                    continue
+            if request.stream is not None:
+                request.stream.put(codes)
+        ended = [(self.requests[key], FINISH_FAILED, failed[key]) for key in failed]
+        for key, _, at_limit in self.runner.finished(outputs):
+            if key not in failed:
+                request = self.requests[key]
                 ended.append((request, request.limit_reason if at_limit else FINISH_EOS, None))
         if ended:
             self.runner.release([request.request_id for request, _, _ in ended])

@@ -204,13 +204,12 @@ class FrameRunner:
     def release(self, keys) -> None:
         """Free the rows of the sequences `keys` (ended or cancelled); move the rest to a smaller state when a
         smaller one holds them."""
-        rows = [row for row, key in enumerate(self.keys) if key in set(keys)]
-        if not rows:
+        index = self._rows_of(keys) if self.state is not None else None
+        if index is None:
             return
-        index = torch.tensor(rows, device=self.state.slot.device)
         self.state.ended[index] = True
         self.state.sampler.set_rows(index, GREEDY)  # a free row costs no sampling work
-        for row in rows:
+        for row in index.tolist():
             self.keys[row], self.generators[row] = None, None
         self.layout += 1
         running = len(self.running)
@@ -255,21 +254,37 @@ class FrameRunner:
             function(visible, main_logits_hook)
         state.pointer += 1
 
-    def finished(self) -> list[tuple]:
-        """`(key, frames, at_limit)` of the sequences that have ended (EOS, their frame limit, or `stop`): one host
-        read of the state's flags."""
+    def read(self) -> torch.Tensor:
+        """The last step's outputs on the host, in one read: `[b, 1 + NCB + 3]`, per state row its new row, then
+        whether it made a frame, whether it has ended, and its frames so far."""
+        state = self.state
+        flags = torch.stack((state.made.long(), state.ended.long(), state.count), 1)  # [b, 3]
+        return torch.cat((state.new_rows, flags), 1).cpu()
+
+    def finished(self, outputs: torch.Tensor | None = None) -> list[tuple]:
+        """`(key, frames, at_limit)` of the sequences that have ended (EOS, their frame limit, or `stop`), from
+        `outputs` (`read()`'s, when the caller has them) or one host read of the state's flags."""
         rows, keys = self.rows()
         if not rows:
             return []
-        flags = torch.stack((self.state.ended.long(), self.state.count), 1).cpu()  # [b, 2]
+        if outputs is None:
+            flags = torch.stack((self.state.ended.long(), self.state.count), 1).cpu()  # [b, 2]
+        else:
+            flags = outputs[:, -2:]
         return [(key, int(flags[row, 1]), int(flags[row, 1]) >= self.limits[row])
                 for row, key in zip(rows, keys) if bool(flags[row, 0])]
 
+    def _rows_of(self, keys) -> torch.Tensor | None:
+        """State rows `[n]` of the sequences `keys` (None when none of them is in the state)."""
+        wanted = set(keys)
+        rows = [row for row, key in enumerate(self.keys) if key in wanted]
+        return torch.tensor(rows, device=self.state.slot.device) if rows else None
+
     def stop(self, keys) -> None:
         """End the sequences `keys` at this frame (they are reported by `finished`)."""
-        rows = [row for row, key in enumerate(self.keys) if key in set(keys)]
-        if rows:
-            self.state.ended[torch.tensor(rows, device=self.state.slot.device)] = True
+        index = self._rows_of(keys)
+        if index is not None:
+            self.state.ended[index] = True
 
 
 def check_cuda_graphs(model) -> None:
@@ -345,7 +360,7 @@ class FrameLoop:
         self.need_scores = settings.output_scores or bool(stopping_criteria)
         # Calls that look at every frame on the host anyway also retire finished sequences at every frame.
         self.check_every = 1 if streamer is not None or logits_processor or stopping_criteria else settings.stop_check_interval
-        self._index_layout, self._rows, self._keys = None, None, None
+        self._index_layout, self._rows, self._keys, self._members = None, None, None, None  # `_index`'s cache
 
     def _room(self, step: int) -> None:
         """Make sure the output buffer has a column for frame `step`."""

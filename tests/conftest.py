@@ -90,6 +90,54 @@ def prompt():
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# bitsandbytes' 4-bit CPU path, pinned for the whole run
+# ---------------------------------------------------------------------------------------------------------------
+
+PACKED_4BIT_MARKER = "bnb_packed_cpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", f"{PACKED_4BIT_MARKER}: the test runs bitsandbytes' packed AVX512-BF16 4-bit CPU kernel (bf16 "
+        "compute); skipped on a CPU without AVX512-BF16"
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pinned_bitsandbytes_cpu_path():
+    """Every test runs bitsandbytes' 4-bit linears on the dequantise + float32 matmul CPU path, on every CPU.
+
+    bitsandbytes (0.50) chooses between two CPU paths once per `Linear4bit`, when it is built, by calling the name
+    `bitsandbytes.nn.modules.has_avx512bf16` (the CPU's AVX512-BF16 flag): with the flag, the first inference
+    forward repacks the weight for a bf16 kernel. That decision is patched here (not the math), so that a test's
+    tolerance and its greedy frames do not depend on the machine. Session scope: module-scoped fixtures that
+    build quantised models come after it. Tests of the packed path opt in with the `bnb_packed_cpu` marker
+    (`packed_bitsandbytes_cpu_path`). The 8-bit path (`torch._int_mm` with AVX-512, else a float32 matmul of the
+    int8 values) needs no pin: both give the exact int32 products as long as the float32 sums stay below 2**24
+    (tests/test_quantization.py checks the test models' sizes for it).
+    """
+    bitsandbytes = imported_bitsandbytes()
+    if bitsandbytes is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: False)
+        yield
+
+
+@pytest.fixture(autouse=True)
+def packed_bitsandbytes_cpu_path(request, monkeypatch):
+    """A test marked `bnb_packed_cpu` builds its `Linear4bit`s for the packed AVX512-BF16 kernel; skipped where
+    the CPU lacks the flag (the kernel is machine code for it)."""
+    if request.node.get_closest_marker(PACKED_4BIT_MARKER) is None:
+        return
+    bitsandbytes = imported_bitsandbytes()
+    if bitsandbytes is None or not bitsandbytes.functional.has_avx512bf16():
+        pytest.skip("bitsandbytes' packed 4-bit CPU kernel needs a CPU with AVX512-BF16")
+    monkeypatch.setattr(bitsandbytes.nn.modules, "has_avx512bf16", lambda: True)
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Machine facts at the start of a run: a failure on another machine can be traced to its CPU and package versions
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -109,17 +157,26 @@ def cpu_model_and_flags() -> tuple[str, list[str]]:
     return names.get("model name", platform.machine()), sorted(flags)
 
 
-def bitsandbytes_cpu_paths() -> str:
-    """Which CPU kernels bitsandbytes uses here (see tests/test_quantization.py)."""
+def imported_bitsandbytes():
+    """The `bitsandbytes` module, or None where it is not installed."""
     try:
         with warnings.catch_warnings():  # its import warns about torch.jit deprecations: not this run's business
             warnings.simplefilter("ignore")
             import bitsandbytes
     except ImportError:
+        return None
+    return bitsandbytes
+
+
+def bitsandbytes_cpu_paths() -> str:
+    """Which CPU kernels bitsandbytes offers here, and the 4-bit one the tests run (`pinned_bitsandbytes_cpu_path`)."""
+    bitsandbytes = imported_bitsandbytes()
+    if bitsandbytes is None:
         return "bitsandbytes not installed"
-    four_bit = "packed AVX512-BF16" if bitsandbytes.functional.has_avx512bf16() else "dequantise + float32 matmul"
+    packed = "available" if bitsandbytes.functional.has_avx512bf16() else "not available (no AVX512-BF16)"
     eight_bit = "torch._int_mm" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "float32 matmul"
-    return f"bitsandbytes CPU paths: 4-bit {four_bit}, 8-bit {eight_bit}"
+    return (f"bitsandbytes CPU paths: 4-bit dequantise + float32 matmul (pinned; the packed AVX512-BF16 kernel is "
+            f"{packed}, for the `{PACKED_4BIT_MARKER}` tests), 8-bit {eight_bit}")
 
 
 def machine_facts() -> list[str]:

@@ -5,9 +5,10 @@ bitsandbytes' two CPU 4-bit paths: a `Linear4bit` reads `has_avx512bf16()` once,
 `bitsandbytes.nn.modules.has_avx512bf16`; the native library answers with the CPU's AVX512-BF16 flag). With it,
 the first forward call in eval mode without gradients repacks the weight for a bf16 kernel, which needs the output
 size to be a multiple of 32 and the input size even; without it, the weight is dequantised for a float32 matmul.
-The tests choose the path by patching that name: the dequantising path runs on every CPU; the packed kernel is
-AVX512-BF16 machine code, so the packed path runs where the CPU has the flag (`FOUR_BIT_PATHS`), while the packing
-itself (plain torch, where bitsandbytes checks the shapes) is applied to every 4-bit weight on every CPU.
+tests/conftest.py pins the dequantising path for every test by patching that name; the packed kernel is AVX512-BF16
+machine code, so the tests marked `bnb_packed_cpu` run it where the CPU has the flag and are skipped elsewhere, while
+the packing itself (plain torch, where bitsandbytes checks the shapes) is applied to every 4-bit weight on every CPU.
+Each comparison takes its tolerance from the path the forward calls actually took (`_four_bit_path_taken`).
 
 Geometry: in the golden tiny checkpoint `in_proj_a` / `in_proj_b` have 2 outputs (2 value heads), which the packed
 kernel cannot take. The quantisation tests load a tiny checkpoint with 32 value heads of width 8 instead, so that,
@@ -50,7 +51,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:MatMul8bitLt")  # bnb's note tha
 GREEDY_FRAMES = 4  # enough to run every quantised linear through both the prefill and the frame steps
 # Linear attention with 32 value heads: in_proj_a / in_proj_b get 32 outputs, like the real model's.
 FITTING_GEOMETRY = {"text_config": {"linear_num_value_heads": 32, "linear_value_head_dim": 8}}
-FOUR_BIT_PATHS = ["dequantising"] + (["packed"] if bnb.functional.has_avx512bf16() else [])
+PACKED = pytest.mark.bnb_packed_cpu  # tests/conftest.py: the packed AVX512-BF16 path, where the CPU has it
 # Float32 rounding on top of the grid bound, in units of the scale (absmax): two roundings on bitsandbytes' side
 # (the scale and the scaled weight that is rounded to the grid), two in the dequantisation (code times scale, the
 # division by 127 for int8), one in the comparison; each at most u times the absmax.
@@ -103,10 +104,10 @@ def _dequantised_4bit(parameter, shape) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 QUANTISATIONS = [pytest.param(BitsAndBytesConfig(load_in_8bit=True), None, id="8bit")] + [
-    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind, bnb_4bit_use_double_quant=double),
-                 path, id=f"4bit-{kind}{'-double' if double else ''}-{path}")
-    for kind, double in (("fp4", False), ("nf4", False))
-    for path in FOUR_BIT_PATHS
+    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=kind), path, id=f"4bit-{kind}-{path}",
+                 marks=[PACKED] if path == "packed" else [])
+    for kind in ("fp4", "nf4")
+    for path in ("dequantising", "packed")
 ]
 
 
@@ -133,15 +134,13 @@ def _full_precision_copy(model, checkpoint):
 
 
 @pytest.mark.parametrize(("config", "path"), QUANTISATIONS)
-def test_bitsandbytes_quantises_the_dense_linears_and_the_routed_experts(config, path, monkeypatch, checkpoint,
-                                                                         reference, expected):
+def test_bitsandbytes_quantises_the_dense_linears_and_the_routed_experts(config, path, checkpoint, reference,
+                                                                         expected):
     """8-bit: dense linears 8-bit, experts FP8 as shipped. 4-bit: dense linears and routed experts 4-bit, each weight
     within its grid bound of the full-precision one. Then generation, against the full-precision copy of the
     quantised model (`_full_precision_copy`): the same greedy frames, and main-token logits within float32 rounding
     of another matmul order (`reordering_tolerance`); on the packed AVX512-BF16 path the 4-bit linears compute in
     bf16, so the bound takes bf16's unit roundoff and the teacher-forced logits are compared."""
-    if path is not None:  # 4-bit: the CPU path of the Linear4bit modules built by this load
-        monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: path == "packed")
     model = _load(config, checkpoint)
     eight_bit = config.load_in_8bit
     assert model.config.quantization_config.quant_method == "bitsandbytes"
@@ -189,10 +188,17 @@ def test_bitsandbytes_quantises_the_dense_linears_and_the_routed_experts(config,
     prompt = expected["prompt_a_rows"][None, -12:]  # the prompt's end, up to `<|voice|>`: short, so fast
     out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_scores=True)
     assert all(code.shape[0] == 10 and torch.isfinite(audio).all() for code, audio in zip(out.codes, out.audio))
-    if not eight_bit:  # the forward calls took the chosen path
-        packed = [getattr(module.weight.quant_state, "packing_format_for_cpu", False) for _, module in quantised]
-        assert packed == [path == "packed"] * len(quantised)
-    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, path)
+    assert _four_bit_path_taken(model) == path  # the path tests/conftest.py pinned (or the marker chose)
+    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt)
+
+
+def _four_bit_path_taken(model) -> str | None:
+    """The CPU path the forward calls took through the model's `Linear4bit`s: "packed" where bitsandbytes repacked
+    their weights for its AVX512-BF16 kernel, else "dequantising"; None without 4-bit linears."""
+    packed = {bool(getattr(module.weight.quant_state, "packing_format_for_cpu", False))
+              for module in model.modules() if isinstance(module, bnb.nn.Linear4bit)}
+    assert len(packed) <= 1, "some 4-bit linears were repacked and others not"
+    return None if not packed else ("packed" if packed.pop() else "dequantising")
 
 
 def _int8_activation_tolerance(model, reference: torch.Tensor) -> dict:
@@ -203,14 +209,17 @@ def _int8_activation_tolerance(model, reference: torch.Tensor) -> dict:
     return {"atol": linears / 254 * reference.abs().max().item(), "rtol": 0.0}
 
 
-def _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, path):
+def _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt):
     """4-bit (bitsandbytes dequantises the weight, then a float32 matmul): the copy gives the same greedy frames and
-    main-token logits within `reordering_tolerance`; on the packed AVX512-BF16 path (bf16 compute) and with 8-bit
-    linears (int8 activations) the teacher-forced logits of the generated frames are compared within bf16 rounding
-    and `_int8_activation_tolerance` respectively."""
+    main-token logits within `reordering_tolerance`; where the forward calls took the packed AVX512-BF16 path (bf16
+    compute) and with 8-bit linears (int8 activations) the teacher-forced logits of the generated frames are
+    compared within bf16 rounding and `_int8_activation_tolerance` respectively."""
     rows = out.sequences.shape[1]
     int8 = any(isinstance(module, bnb.nn.Linear8bitLt) for module in model.modules())
-    if path == "packed" or int8:
+    if int8:  # bitsandbytes' two CPU int8 matmuls (AVX-512 or not) give the same exact int32 sums only below 2**24
+        widest = max(module.in_features for module in model.modules() if isinstance(module, bnb.nn.Linear8bitLt))
+        assert widest * 127**2 < 2**24, "an int8 input this wide makes the 8-bit result depend on the CPU"
+    if _four_bit_path_taken(model) == "packed" or int8:
         with torch.no_grad():
             ours, theirs = model(out.sequences), plain(out.sequences)
         compared = [("main_logits", main_logit_reductions(model.config, rows))]
@@ -229,15 +238,20 @@ def _assert_generates_what_the_full_precision_copy_computes(model, plain, out, p
                                    **reordering_tolerance(their_scores, main_logit_reductions(model.config, rows)))
 
 
+# docs/hardware.md's 24 GB configuration: nf4 with double quantisation, the tower 4-bit too.
+TWENTY_FOUR_GB = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                    llm_int8_skip_modules=["lm_head"])
+
+
 @pytest.mark.parametrize("config", [
     pytest.param(BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=["lm_head"]), id="8bit-tower"),
-    pytest.param(BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                    llm_int8_skip_modules=["lm_head"]), id="4bit-24gb"),
+    pytest.param(TWENTY_FOUR_GB, id="4bit-24gb"),
+    pytest.param(TWENTY_FOUR_GB, id="4bit-24gb-packed", marks=PACKED),
 ])
 def test_the_quantised_towers_of_docs_generate_what_their_full_precision_copy_computes(config, checkpoint, expected):
     """The settings docs/hardware.md offers with the tower quantised too: the 8-bit tower (its int8 weights gave the
     frame step's tower cache no floating dtype) and the 24 GB configuration (nf4 with double quantisation, the
-    tower 4-bit, only the candidate rows of lm_head)."""
+    tower 4-bit, only the candidate rows of lm_head), on each 4-bit CPU path the machine has."""
     candidate_rows = config.load_in_4bit
     model, info = FishOmniForSpeech.from_pretrained(checkpoint, dtype=torch.float32, quantization_config=config,
                                                     candidate_head_rows_only=candidate_rows, output_loading_info=True)
@@ -248,7 +262,7 @@ def test_the_quantised_towers_of_docs_generate_what_their_full_precision_copy_co
         plain.keep_candidate_head_rows()
     prompt = expected["prompt_a_rows"][None, -12:]
     out = model.generate(prompt, do_sample=False, max_new_tokens=GREEDY_FRAMES, output_scores=True)
-    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt, "dequantising")
+    _assert_generates_what_the_full_precision_copy_computes(model, plain, out, prompt)
 
 
 def test_4bit_keeps_the_linears_the_packed_cpu_kernel_cannot_take_in_full_precision():

@@ -1,12 +1,14 @@
 """Tensor and expert parallelism under torchrun (2 CPU processes, gloo) against one process, and the launches that
 must be refused (in process: the checks run before any process group or weight)."""
 
+import copy
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import soundfile
@@ -14,6 +16,7 @@ import torch
 
 from transformers_drama3 import FishOmniConfig, FishOmniForSpeech, cli, compat, parallel
 from transformers_drama3.parallel import Drama3ParallelError
+from transformers_drama3.quantization_bsgemm import FP8_EXPERT_WEIGHTS, BsgemmMoeConfig, BsgemmMoeHfQuantizer
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import GOLDEN_TINY
@@ -256,6 +259,33 @@ def test_auto_plan_keeps_attention_whole_when_the_ranks_outnumber_the_heads(two_
     assert not any(".self_attn." in key for key in parallel.tensor_parallel_plan(config.text_config, 2))
     assert parallel.attention_is_split(FishOmniConfig().text_config, 2)
     assert not parallel.attention_is_split(FishOmniConfig().text_config, 4)
+
+
+def test_fp8_block_scales_get_the_rules_of_their_weights_where_transformers_does_not_add_them(two_ranks):
+    """transformers 5.17 splits FP8 experts kept as shipped but not their `_scale_inv` block scales: the quantizer
+    (for the model's plans) and `ParallelRequest` (for a plan of one's own, which is the whole plan there) add the
+    scale rules; newer versions add them themselves, where none are added."""
+    config = golden_config(moe_intermediate_size=256)
+    plan = parallel.tensor_parallel_plan(config.text_config, 2)
+    added = {f"{key}_scale_inv": style for key, style in plan.items() if key.endswith(("experts.gate_up_proj",
+                                                                                    "experts.down_proj"))}
+    assert set(added.values()) == {"packed_colwise", "rowwise"}
+    expected = {} if compat.quantizers_split_scales_with_their_weights() else added
+    assert compat.scale_rules(plan, FP8_EXPERT_WEIGHTS) == expected
+    def scales(rules: dict[str, str]) -> dict[str, str]:
+        return {key: style for key, style in rules.items() if key.endswith("_scale_inv")}
+
+    own_plan = parallel.ParallelRequest(size=2, expert_parallel=False, tp_plan=plan).load_kwargs(config)
+    assert scales(own_plan["distributed_config"].tp_plan) == expected
+    dequantised = parallel.ParallelRequest(size=2, expert_parallel=False, tp_plan=plan, dequantize=True)
+    assert scales(dequantised.load_kwargs(config)["distributed_config"].tp_plan) == {}  # no scales to split
+    text = copy.deepcopy(config).text_config
+    quantizer = BsgemmMoeHfQuantizer(BsgemmMoeConfig(), pre_quantized=True)
+    if not compat.quantizers_split_scales_with_their_weights():  # 5.17 asks the quantizer for the model's plans
+        quantizer.update_tp_plan(SimpleNamespace(text_config=text, base_model_tp_plan=None,
+                                                 base_model_ep_plan=None))
+    model_rules = {key.removeprefix(parallel.BACKBONE_PREFIX): style for key, style in expected.items()}
+    assert scales(text.base_model_tp_plan) == model_rules
 
 
 def test_cli_parallel_flag_needs_torchrun(monkeypatch, capsys):

@@ -22,6 +22,8 @@ Shims (transformers 5.17 -> newer, measured on 5.24):
   `DistributedConfig(ep_size=...)`.
 - `drop_generation_values_copied_into_config`: the text-to-audio pipeline copies the generation config into the
   model config (which `generate` then refuses as legacy generation control) -> it copies into a copy.
+- `quantizers_split_scales_with_their_weights`, `scale_rules`: tensor/expert parallelism splits FP8 experts kept as
+  shipped but not their block scales -> each scale follows its weight's rule.
 """
 
 from __future__ import annotations
@@ -201,6 +203,27 @@ def expert_parallel_arguments(size: int) -> dict[str, Any]:
     return {"ep_size": size} if expert_parallel_by_size() else {"enable_expert_parallel": True}
 
 
+@functools.cache
+def quantizers_split_scales_with_their_weights() -> bool:
+    """Whether transformers gives a quantised weight's scale tensors the parallel rule of their weight itself
+    (`HfQuantizer.update_parallel_plan`, newer versions). transformers 5.17 adds `<weight>_scale_inv` rules only for
+    the `grouped_gemm` rules of the top-level config, so a tensor-parallel split of FP8 experts kept as shipped left
+    their block scales whole on every rank (each rank then scaled its rows with another rank's scales)."""
+    from transformers.quantizers.base import HfQuantizer
+
+    return hasattr(HfQuantizer, "update_parallel_plan")
+
+
+def scale_rules(plan: dict[str, str], weights: tuple[str, ...], suffix: str = "_scale_inv") -> dict[str, str]:
+    """The rules to add to a parallel `plan` on versions that do not split scales with their weights
+    (`quantizers_split_scales_with_their_weights`): for each rule whose key ends with one of `weights`, the same
+    style for `<key><suffix>` (a block scale has one entry per 128 x 128 block of its weight, so the same split
+    gives each rank the scales of its own rows); empty on newer versions, which add them themselves."""
+    if quantizers_split_scales_with_their_weights():
+        return {}
+    return {key + suffix: style for key, style in plan.items() if key.endswith(weights)}
+
+
 __all__ = [
     "activation_checkpointing_names",
     "generation_defaults",
@@ -215,5 +238,7 @@ __all__ = [
     "expert_parallel_by_size",
     "forget_loading_conversions",
     "kept_fp8_scales_save_with_their_shape",
+    "quantizers_split_scales_with_their_weights",
+    "scale_rules",
     "sub_configs_declaration",
 ]

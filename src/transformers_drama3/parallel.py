@@ -35,7 +35,7 @@ from transformers.distributed import DistributedConfig
 from transformers.utils import logging
 
 from . import compat
-from .quantization_bsgemm import BSGEMM_MOE, checkpoint_quant_method
+from .quantization_bsgemm import BSGEMM_MOE, FP8_EXPERT_WEIGHTS, checkpoint_quant_method
 
 logger = logging.get_logger(__name__)
 
@@ -192,6 +192,7 @@ class ParallelRequest:
     size: int  # ranks the model is split over (the world size)
     expert_parallel: bool
     tp_plan: dict[str, str] | None  # a plan the caller wrote; None for the model's own ("auto")
+    dequantize: bool = False  # the load dequantises FP8 experts (`BsgemmMoeConfig(dequantize=True)`)
 
     @classmethod
     def from_kwargs(cls, kwargs: dict) -> ParallelRequest | None:
@@ -240,7 +241,9 @@ class ParallelRequest:
             )
         plan = config.get("tp_plan")
         expert = (config.get("ep_size") or 1) > 1 or bool(config.get("enable_expert_parallel"))
-        return cls(size=size, expert_parallel=expert, tp_plan=plan if isinstance(plan, dict) and plan else None)
+        dequantize = bool(getattr(kwargs.get("quantization_config"), "dequantize", False))
+        return cls(size=size, expert_parallel=expert, tp_plan=plan if isinstance(plan, dict) and plan else None,
+                   dequantize=dequantize)
 
     def check(self, config) -> None:
         """Raise `Drama3ParallelError` when the model's sizes cannot be split over `size` ranks."""
@@ -294,6 +297,8 @@ class ParallelRequest:
                     "full-attention layers stay whole on every rank, everything else in the backbone is split"
                 )
             plan = self._whole_attention_plan(text)
+        if isinstance(plan, dict) and checkpoint_quant_method(config) == BSGEMM_MOE and not self.dequantize:
+            plan = {**plan, **compat.scale_rules(plan, FP8_EXPERT_WEIGHTS)}  # 5.17: the dict is the whole plan
         if self.expert_parallel and compat.expert_parallel_by_size():
             return {"distributed_config": DistributedConfig(tp_size=self.size, tp_plan=plan, ep_size=self.size)}
         if self.expert_parallel:

@@ -57,6 +57,7 @@ from .quantized_experts import (
 logger = logging.get_logger(__name__)
 
 BSGEMM_MOE = "bsgemm-moe"
+FP8_EXPERT_WEIGHTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")  # each with a `_scale_inv` when kept FP8
 NOT_ROUTED_EXPERTS = r"(?!.*\.mlp\.experts$).+"
 # Kept in full precision by bitsandbytes unless the user passes `llm_int8_skip_modules`: the codebook tower and
 # lm_head (they produce the sampled tokens, and quantising them saves at most 1.7 GB of the real model's 73 GB). The
@@ -102,6 +103,18 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
             self.selected_experts = True
             return None
         return super().validate_environment(*args, **kwargs)
+
+    def update_tp_plan(self, config):
+        # Called by transformers 5.17 only (newer versions split scales with their weights themselves): with the
+        # experts kept FP8, their block scales get the tensor- and expert-parallel rules of their weights.
+        config = super().update_tp_plan(config)
+        if not self.quantization_config.dequantize:
+            text = config.text_config
+            for attribute in ("base_model_tp_plan", "base_model_ep_plan"):
+                plan = getattr(text, attribute, None) or {}
+                if rules := compat.scale_rules(plan, FP8_EXPERT_WEIGHTS):
+                    setattr(text, attribute, {**plan, **rules})
+        return config
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         freeze_quantized_experts(model)
@@ -220,6 +233,18 @@ class _QuantisesRoutedExperts:
         result = super()._process_model_before_weight_loading(model, **kwargs)
         replace_routed_experts(model, self.make_experts)
         return result
+
+    def update_tp_plan(self, config):
+        # Called by transformers 5.17 only (newer versions split scales with their weights themselves): with the
+        # experts kept FP8, their block scales get the tensor- and expert-parallel rules of their weights.
+        config = super().update_tp_plan(config)
+        if not self.quantization_config.dequantize:
+            text = config.text_config
+            for attribute in ("base_model_tp_plan", "base_model_ep_plan"):
+                plan = getattr(text, attribute, None) or {}
+                if rules := compat.scale_rules(plan, FP8_EXPERT_WEIGHTS):
+                    setattr(text, attribute, {**plan, **rules})
+        return config
 
     def _process_model_after_weight_loading(self, model, **kwargs):
         freeze_quantized_experts(model)

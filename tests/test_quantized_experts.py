@@ -209,3 +209,33 @@ def test_a_bf16_codec_decodes_the_frames_within_bf16_rounding(candidate_rows_mod
     reference = out.audio[0]
     torch.testing.assert_close(bf16.audio[0].float(), reference,
                                **reordering_tolerance(reference.bfloat16(), codec_decode_reductions(codec)))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nf4-double"])
+def test_quantised_experts_pass_the_gradients_of_transformers_experts(kind):
+    """Frozen quantised experts still carry gradients to their input, those of the dequantised experts (LoRA trains
+    the layers around them): what lets `Trainer` accept such a model."""
+    experts = _quantised_experts(kind)
+    reference = _plain_copy(experts)
+    hidden, index, weights = _routing(16, seed=5)
+    gradients = []
+    for module in (experts, reference):
+        leaf = hidden.clone().requires_grad_()
+        module(leaf, index, weights).square().sum().backward()
+        gradients.append(leaf.grad)
+    # forward and backward: two passes through the same reductions
+    torch.testing.assert_close(gradients[0], gradients[1],
+                               **reordering_tolerance(gradients[1], 2 * (HIDDEN + INTERMEDIATE + TOP_K)))
+
+
+def test_trainer_accepts_adapters_on_fp8_experts_kept_as_shipped():
+    """transformers 5.17's FP8 quantizer declares its models untrainable; the experts this package keeps FP8 are
+    (the test above), on every version."""
+    from peft import get_peft_model
+    from transformers.trainer_utils import validate_quantization_for_training
+
+    from transformers_drama3.training import drama3_lora_config
+
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32)
+    assert isinstance(model.backbone.layers[0].mlp.experts, Fp8SelectedExperts) and model.hf_quantizer.is_trainable
+    validate_quantization_for_training(get_peft_model(model, drama3_lora_config("default", r=4, lora_alpha=8)))

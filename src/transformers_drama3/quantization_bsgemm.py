@@ -104,6 +104,15 @@ class BsgemmMoeHfQuantizer(FineGrainedFP8HfQuantizer):
             return None
         return super().validate_environment(*args, **kwargs)
 
+    @property
+    def is_trainable(self) -> bool:
+        # The experts kept FP8 by this package (`Fp8SelectedExperts`) or dequantised at load are frozen and pass
+        # gradients to their inputs, so `Trainer` may train adapters around them. transformers 5.17 answers False for
+        # every FP8 model (its expert kernel had no backward); where that kernel runs, its own answer stands.
+        if getattr(self, "selected_experts", False) or self.quantization_config.dequantize:
+            return True
+        return super().is_trainable
+
     def update_tp_plan(self, config):
         # Called by transformers 5.17 only (newer versions split scales with their weights themselves): with the
         # experts kept FP8, their block scales get the tensor- and expert-parallel rules of their weights.
@@ -233,6 +242,15 @@ class _QuantisesRoutedExperts:
         result = super()._process_model_before_weight_loading(model, **kwargs)
         replace_routed_experts(model, self.make_experts)
         return result
+
+    @property
+    def is_trainable(self) -> bool:
+        # The experts kept FP8 by this package (`Fp8SelectedExperts`) or dequantised at load are frozen and pass
+        # gradients to their inputs, so `Trainer` may train adapters around them. transformers 5.17 answers False for
+        # every FP8 model (its expert kernel had no backward); where that kernel runs, its own answer stands.
+        if getattr(self, "selected_experts", False) or self.quantization_config.dequantize:
+            return True
+        return super().is_trainable
 
     def update_tp_plan(self, config):
         # Called by transformers 5.17 only (newer versions split scales with their weights themselves): with the

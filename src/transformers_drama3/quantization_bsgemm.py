@@ -243,27 +243,6 @@ class _QuantisesRoutedExperts:
         replace_routed_experts(model, self.make_experts)
         return result
 
-    @property
-    def is_trainable(self) -> bool:
-        # The experts kept FP8 by this package (`Fp8SelectedExperts`) or dequantised at load are frozen and pass
-        # gradients to their inputs, so `Trainer` may train adapters around them. transformers 5.17 answers False for
-        # every FP8 model (its expert kernel had no backward); where that kernel runs, its own answer stands.
-        if getattr(self, "selected_experts", False) or self.quantization_config.dequantize:
-            return True
-        return super().is_trainable
-
-    def update_tp_plan(self, config):
-        # Called by transformers 5.17 only (newer versions split scales with their weights themselves): with the
-        # experts kept FP8, their block scales get the tensor- and expert-parallel rules of their weights.
-        config = super().update_tp_plan(config)
-        if not self.quantization_config.dequantize:
-            text = config.text_config
-            for attribute in ("base_model_tp_plan", "base_model_ep_plan"):
-                plan = getattr(text, attribute, None) or {}
-                if rules := compat.scale_rules(plan, FP8_EXPERT_WEIGHTS):
-                    setattr(text, attribute, {**plan, **rules})
-        return config
-
     def _process_model_after_weight_loading(self, model, **kwargs):
         freeze_quantized_experts(model)
         return super()._process_model_after_weight_loading(model, **kwargs)

@@ -212,16 +212,6 @@ class Drama3GenerationMixin(GenerationMixin):
         device for later calls (they are rebuilt on the next such call)."""
         self._kept_frame_states = None
 
-    def init_continuous_batching(self, generation_config: GenerationConfig | None = None, max_batch: int = 8,
-                                 fast_decode: bool = False, compile_step: bool | str = False):
-        """A `Drama3Engine` (engine.py) over this model: continuous batching, where transformers' manager (text
-        tokens only) cannot run frames. `generation_config`: the requests' default settings. Start it with
-        `start()` (or `with`), then `add_request` / `get_result`."""
-        from .engine import Drama3Engine  # engine.py imports this module
-
-        return Drama3Engine(self, max_batch=max_batch, fast_decode=fast_decode, compile_step=compile_step,
-                            generation_config=generation_config)
-
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
         """transformers' merge (`model.generation_config` < `generation_config` < keywords), after refusing the
         settings that do not apply and checking Drama 3's own (before transformers' checks, which name fewer)."""

@@ -15,7 +15,9 @@ import threading
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.engine import Drama3Engine
@@ -277,3 +279,45 @@ def test_the_engines_own_settings_are_refused_per_request(model, prompts):
     with pytest.raises(ValueError, match="output_scores"):
         Drama3Engine(model, generation_config=GenerationConfig(**DRAMA3_GENERATION_DEFAULTS | {"output_scores": True}))
     assert engine.queued == 0
+
+
+def test_generate_batch_is_transformers_api_with_drama3_results(model, prompts):
+    """`model.generate_batch` (transformers' signature) gives, in input order, each prompt's frames alone with its
+    seed, as transformers-shaped results with codes and their audio."""
+    results = model.generate_batch(prompts[:2], max_new_tokens=5, seed=[4, 9], progress_bar=False)
+    assert len(results) == 2
+    for rows, seed, (request_id, result) in zip(prompts, [4, 9], results.items()):
+        codes, reason = alone(model, rows, seed=seed, max_new_tokens=5)
+        assert result.request_id == request_id and result.status == RequestStatus.FINISHED and result.error is None
+        assert torch.equal(result.codes, codes) and result.finish_reason == reason
+        assert result.prompt_ids == rows[:, 0].tolist() and len(result.generated_tokens) == codes.shape[1]
+        assert torch.equal(result.audio, model.codec.decode(codes[None]).audio_values[0, 0])
+
+
+def test_continuous_batching_context_manager_runs_a_started_engine_and_stops_it(model, prompts):
+    config = ContinuousBatchingConfig(max_requests_per_batch=2, auto_switch_to_flash=False)
+    with model.continuous_batching_context_manager(continuous_batching_config=config) as engine:
+        assert engine.is_running() and engine.max_batch == 2
+        request_id = engine.add_request(prompts[1], seed=5, max_new_tokens=5, record_timestamps=True)
+        result = engine.get_result(request_id)
+    assert not engine.is_running()
+    assert torch.equal(result.codes, alone(model, prompts[1], seed=5, max_new_tokens=5)[0])
+    assert len(result.timestamps) == result.frames and result.lifespan[0] <= result.timestamps[0] <= result.lifespan[1]
+
+
+def test_init_continuous_batching_takes_transformers_signature_and_refuses_what_cannot_apply(model):
+    engine = model.init_continuous_batching(None, None, WorkloadHints(num_requests=3), keep_results=4)
+    assert (engine.max_batch, engine.keep_results) == (3, 4)
+    assert model.init_continuous_batching(max_batch=2).max_batch == 2
+    with pytest.raises(ValueError, match="num_blocks"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(num_blocks=16))
+    with pytest.raises(ValueError, match="disagree"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2),
+                                       max_batch=4)
+    with pytest.raises(ValueError, match="one frame step"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=(True, False)))
+    with pytest.raises(TypeError, match="page_size"):
+        model.init_continuous_batching(page_size=16)
+    with pytest.raises(ValueError, match="persistent_manager"):
+        with model.continuous_batching_context_manager(persistent_manager=True):
+            pass

@@ -24,6 +24,7 @@ from transformers_drama3.engine import Drama3Engine
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
 
 from .conftest import GOLDEN_TINY
+from .host_reads import device_reads
 
 
 @pytest.fixture(scope="module")
@@ -321,3 +322,12 @@ def test_init_continuous_batching_takes_transformers_signature_and_refuses_what_
     with pytest.raises(ValueError, match="persistent_manager"):
         with model.continuous_batching_context_manager(persistent_manager=True):
             pass
+
+
+def test_each_engine_frame_is_read_back_once(model, prompts):
+    """A frame of running requests, streamed and called back included, reads its outputs to the host once."""
+    engine = Drama3Engine(model, max_batch=2)
+    engine.add_request(prompts[0], do_sample=False, max_new_tokens=20, streaming=True)
+    engine.add_request(prompts[1], seed=2, max_new_tokens=20, on_frame=lambda request_id, codes: None)
+    engine.step()  # both admitted
+    assert [device_reads(engine.step) for _ in range(3)] == [1, 1, 1]

@@ -43,8 +43,8 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from transformers.utils import logging
 
 from .device_placement import execution_device
-from .frame_runner import FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, FrameRunner, KeptStates, check_cuda_graphs
-from .generation_drama3 import generation_settings
+from .frame_runner import FINISH_EOS, FrameRunner, KeptStates, check_cuda_graphs
+from .generation_drama3 import Drama3FrameLimit, generation_settings
 from .prompt_cache import PromptCache, prefill
 
 logger = logging.get_logger(__name__)
@@ -99,7 +99,7 @@ class EngineRequest:
     settings: object  # GenerationConfig
     generator: torch.Generator
     frame_limit: int
-    limit_reason: str  # FINISH_LENGTH or FINISH_CONTEXT
+    limit_reason: str  # "length" or "context" (Drama3FrameLimit)
     prompt_cache: PromptCache | None
     on_frame: Callable | None
     on_finish: Callable | None
@@ -201,12 +201,7 @@ class Drama3Engine:
             generator.manual_seed(seed) if seed is not None else generator.seed()
         elif not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        prompt_length = input_ids.shape[1]
-        room = self.context - prompt_length + 1  # frames before the context is full (the last frame is not fed back)
-        if room < 1:
-            raise ValueError(f"the prompt has {prompt_length} rows, more than the context of {self.context} allows")
-        limit = min(request_settings.max_new_tokens, room)
-        reason = FINISH_LENGTH if limit == request_settings.max_new_tokens else FINISH_CONTEXT
+        limit = Drama3FrameLimit(request_settings.max_new_tokens, input_ids.shape[1], self.context)
         with self._lock:
             if self._stopping and self.is_running():
                 raise RuntimeError("the engine is stopping (stop() was called and its thread has not ended yet): "
@@ -217,7 +212,7 @@ class Drama3Engine:
                 raise ValueError(f"a request with id {request_id!r} is already in the engine")
             stream = queue.Queue() if streaming else None
             request = EngineRequest(request_id, input_ids, attention_mask, prompt_ids, request_settings, generator,
-                                    limit, reason, prompt_cache, on_frame, on_finish, stream,
+                                    limit.frames, limit.reason, prompt_cache, on_frame, on_finish, stream,
                                     [] if record_timestamps else None)
             self.requests[request_id] = request
             if stream is not None:

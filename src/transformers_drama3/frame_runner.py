@@ -334,14 +334,14 @@ class FrameLoop:
     """One `generate` call after its prefill: the whole batch admitted into a `FrameRunner` at once, its outputs,
     streaming, stopping criteria and the retirement of finished sequences."""
 
-    def __init__(self, model, settings, frames: int, prefill, input_ids, attention_mask, generators, streamer,
+    def __init__(self, model, settings, limit, prefill, input_ids, attention_mask, generators, streamer,
                  logits_processor, stopping_criteria):
         self.model, self.settings, self.streamer = model, settings, streamer
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.prefill, self.generators = prefill, generators
         batch, self.rows, width = input_ids.shape
-        # Frames this call can make (generate's frame limit): max_new_tokens, or up to the context.
-        self.frames = frames
+        # Frames this call can make and the finish reason at that limit (generate's `Drama3FrameLimit`).
+        self.frames, self.limit_reason = limit.frames, limit.reason
         self.input_ids, self.attention_mask = input_ids, attention_mask
         # Prompt rows then the generated rows, grown in chunks (`_room`).
         self.sequences = torch.cat((input_ids, input_ids.new_zeros(batch, min(self.frames, OUTPUT_CHUNK_FRAMES), width)), 1)
@@ -468,13 +468,12 @@ class FrameLoop:
 
     def _retire(self, runner: FrameRunner, finished: list[tuple]) -> None:
         """Record the lengths and finish reasons of the sequences that ended, and free their rows."""
-        limit_reason = FINISH_LENGTH if self.frames == self.settings.max_new_tokens else FINISH_CONTEXT
         for key, frames, at_limit in finished:
             self.lengths[key] = frames
             if key in self.stopped:
                 self.finish_reason[key] = FINISH_STOP
             else:
-                self.finish_reason[key] = limit_reason if at_limit else FINISH_EOS
+                self.finish_reason[key] = self.limit_reason if at_limit else FINISH_EOS
         runner.release([key for key, _, _ in finished])
 
 

@@ -15,11 +15,16 @@ import threading
 
 import pytest
 import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.engine import Drama3Engine
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
 
 from .conftest import GOLDEN_TINY
+from .host_reads import device_reads
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +62,7 @@ def test_requests_admitted_mid_flight_get_their_frames_alone(model, prompts):
     for _ in range(2):
         engine.step()
     ids.append(engine.add_request(prompts[2], **requests[2]))
+    engine.run_until_idle()
     results = [engine.get_result(request_id) for request_id in ids]
     for rows, settings, result in zip(prompts, requests, results):
         codes, reason = alone(model, rows, **settings)
@@ -72,6 +78,7 @@ def test_a_long_prompt_admitted_after_short_ones_moves_them_and_all_keep_their_f
     first = engine.add_request(prompts[1], do_sample=False, max_new_tokens=12)
     engine.step()
     second = engine.add_request(long_prompt, do_sample=False, max_new_tokens=12)
+    engine.run_until_idle()
     for request_id, rows in ((first, prompts[1]), (second, long_prompt)):
         codes, reason = alone(model, rows, do_sample=False, max_new_tokens=12)
         result = engine.get_result(request_id)
@@ -84,6 +91,7 @@ def test_max_batch_queues_the_rest_and_admits_them_as_rows_free(model, prompts):
     ids = [engine.add_request(rows, do_sample=False, max_new_tokens=6) for rows in prompts]
     engine.step()
     assert engine.running == 2 and engine.queued == 1
+    engine.run_until_idle()
     results = {request_id: engine.get_result(request_id) for request_id in ids}
     for rows, request_id in zip(prompts, ids):
         assert torch.equal(results[request_id].codes, alone(model, rows, do_sample=False, max_new_tokens=6)[0])
@@ -141,6 +149,7 @@ def test_a_failing_callback_fails_its_request_only(model, prompts):
     engine = Drama3Engine(model, max_batch=2)
     bad = engine.add_request(prompts[0], do_sample=False, max_new_tokens=8, on_frame=boom)
     good = engine.add_request(prompts[1], do_sample=False, max_new_tokens=8)
+    engine.run_until_idle()
     assert engine.get_result(bad).finish_reason == "failed"
     result = engine.get_result(good)
     assert torch.equal(result.codes, alone(model, prompts[1], do_sample=False, max_new_tokens=8)[0])
@@ -164,13 +173,6 @@ def test_bad_requests_are_refused_before_any_work(model, prompts):
     assert engine.queued == 1
 
 
-def test_init_continuous_batching_gives_an_engine_with_the_models_defaults(model, prompts):
-    engine = model.init_continuous_batching(max_batch=2)
-    assert isinstance(engine, Drama3Engine) and engine.max_batch == 2
-    result = engine.get_result(engine.add_request(prompts[1], seed=5, max_new_tokens=5))
-    assert torch.equal(result.codes, alone(model, prompts[1], seed=5, max_new_tokens=5)[0])
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_cuda_graph_engine_admits_mid_flight_and_gives_the_eager_frames(expected):
     """On CUDA, an engine with `fast_decode=True` replays captured steps over power-of-two rows: requests admitted
@@ -188,9 +190,144 @@ def test_cuda_graph_engine_admits_mid_flight_and_gives_the_eager_frames(expected
         ids.append(engine.add_request(rows.cuda(), **kwargs))
         for _ in range(3):
             engine.step()
+    engine.run_until_idle()
     for rows, kwargs, request_id in zip(prompts, settings, ids):
         result = engine.get_result(request_id)
         eager = model.generate(rows[None].cuda(), output_audio=False, **kwargs)
         assert result.finish_reason == eager.finish_reason[0]
         assert torch.equal(result.codes, eager.codes[0].cpu())
     assert any(state.graphs for state in engine.runner.kept.states.values())  # kept, with their graphs
+
+
+def test_the_engine_never_steps_from_a_reader_and_says_who_must(model, prompts):
+    """Readers only wait: without the engine's thread, a result not ready is an error naming what to do, and a
+    result waited for with a timeout comes back None (nobody stepped)."""
+    engine = Drama3Engine(model, max_batch=2)
+    request_id = engine.add_request(prompts[1], do_sample=False, max_new_tokens=3, streaming=True)
+    with pytest.raises(RuntimeError, match="run_until_idle"):
+        engine.get_result(request_id)
+    with pytest.raises(RuntimeError, match="run_until_idle"):
+        list(engine.request_id_iter(request_id))
+    assert engine.get_result(request_id, timeout=0.05) is None and engine.queued == 1  # not stepped by the reader
+    engine.run_until_idle()
+    result = engine.get_result(request_id)
+    assert torch.equal(torch.stack(list(engine.request_id_iter(request_id)), 1), result.codes)
+
+
+def test_a_streaming_request_that_finished_before_its_reader_keeps_its_frames(model, prompts):
+    """The lost streaming request: with the thread running, a one-frame request ends before anyone reads it; its
+    stream and its result are still there, once each."""
+    with Drama3Engine(model) as engine:
+        request_id = engine.add_request(prompts[1], do_sample=False, max_new_tokens=1, streaming=True)
+        result = engine.get_result(request_id, timeout=60)
+        frames = list(engine.request_id_iter(request_id))
+    assert result.frames == 1 and torch.equal(torch.stack(frames, 1), result.codes)
+    with pytest.raises(ValueError, match="not a streaming request"):
+        list(engine.request_id_iter(request_id))  # read once
+    assert result.is_finished() and result.generated_tokens == [model.config.semantic_start_token_id +
+                                                                int(result.codes[0, 0])]
+
+
+def test_unread_results_are_kept_up_to_keep_results(model, prompts):
+    engine = Drama3Engine(model, keep_results=2)
+    ids = [engine.add_request(prompts[1], do_sample=False, max_new_tokens=1, streaming=True) for _ in range(3)]
+    engine.run_until_idle()
+    with pytest.raises(KeyError, match="keep_results"):
+        engine.get_result(ids[0])  # the oldest unread one was dropped
+    with pytest.raises(ValueError, match="keep_results"):
+        list(engine.request_id_iter(ids[0]))
+    assert [engine.get_result(i).frames for i in ids[1:]] == [1, 1]
+    with pytest.raises(ValueError, match="keep_results"):
+        Drama3Engine(model, keep_results=0)
+
+
+def test_stop_means_stop_while_its_thread_is_still_finishing_a_frame(model, prompts):
+    """stop(block=False) while the thread is inside a frame: until the thread has ended nobody else may step the
+    engine, restart it or add to it; then the caller may step it again."""
+    inside, release = threading.Event(), threading.Event()
+
+    def slow(request_id, codes):
+        inside.set()
+        release.wait(30)
+
+    engine = Drama3Engine(model).start()
+    engine.add_request(prompts[1], do_sample=False, max_new_tokens=50, on_frame=slow)
+    assert inside.wait(60)
+    engine.stop(block=False)
+    assert engine.is_running()
+    with pytest.raises(RuntimeError, match="thread steps"):
+        engine.step()
+    with pytest.raises(RuntimeError, match="still stopping"):
+        engine.start()
+    with pytest.raises(RuntimeError, match="stopping"):
+        engine.add_request(prompts[1])
+    engine.stop(timeout=0.01)  # a join that times out changes nothing
+    assert engine.is_running()
+    release.set()
+    engine.stop()
+    assert not engine.is_running() and engine.get_result().finish_reason == "cancelled"
+    request_id = engine.add_request(prompts[1], do_sample=False, max_new_tokens=2)
+    engine.run_until_idle()
+    assert engine.get_result(request_id).frames == 2
+
+
+def test_the_engines_own_settings_are_refused_per_request(model, prompts):
+    engine = Drama3Engine(model)
+    for name, value in (("fast_decode", True), ("compile_step", True), ("stop_check_interval", 1),
+                        ("output_scores", True)):
+        with pytest.raises(ValueError, match=f"{name} is not a request's setting"):
+            engine.add_request(prompts[1], **{name: value})
+    with pytest.raises(ValueError, match="output_scores"):
+        Drama3Engine(model, generation_config=GenerationConfig(**DRAMA3_GENERATION_DEFAULTS | {"output_scores": True}))
+    assert engine.queued == 0
+
+
+def test_generate_batch_is_transformers_api_with_drama3_results(model, prompts):
+    """`model.generate_batch` (transformers' signature) gives, in input order, each prompt's frames alone with its
+    seed, as transformers-shaped results with codes and their audio."""
+    results = model.generate_batch(prompts[:2], max_new_tokens=5, seed=[4, 9], progress_bar=False)
+    assert len(results) == 2
+    for rows, seed, (request_id, result) in zip(prompts, [4, 9], results.items()):
+        codes, reason = alone(model, rows, seed=seed, max_new_tokens=5)
+        assert result.request_id == request_id and result.status == RequestStatus.FINISHED and result.error is None
+        assert torch.equal(result.codes, codes) and result.finish_reason == reason
+        assert result.prompt_ids == rows[:, 0].tolist() and len(result.generated_tokens) == codes.shape[1]
+        assert torch.equal(result.audio, model.codec.decode(codes[None]).audio_values[0, 0])
+
+
+def test_continuous_batching_context_manager_runs_a_started_engine_and_stops_it(model, prompts):
+    config = ContinuousBatchingConfig(max_requests_per_batch=2, auto_switch_to_flash=False)
+    with model.continuous_batching_context_manager(continuous_batching_config=config) as engine:
+        assert engine.is_running() and engine.max_batch == 2
+        request_id = engine.add_request(prompts[1], seed=5, max_new_tokens=5, record_timestamps=True)
+        result = engine.get_result(request_id)
+    assert not engine.is_running()
+    assert torch.equal(result.codes, alone(model, prompts[1], seed=5, max_new_tokens=5)[0])
+    assert len(result.timestamps) == result.frames and result.lifespan[0] <= result.timestamps[0] <= result.lifespan[1]
+
+
+def test_init_continuous_batching_takes_transformers_signature_and_refuses_what_cannot_apply(model):
+    engine = model.init_continuous_batching(None, None, WorkloadHints(num_requests=3), keep_results=4)
+    assert (engine.max_batch, engine.keep_results) == (3, 4)
+    assert model.init_continuous_batching(max_batch=2).max_batch == 2
+    with pytest.raises(ValueError, match="num_blocks"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(num_blocks=16))
+    with pytest.raises(ValueError, match="disagree"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=2),
+                                       max_batch=4)
+    with pytest.raises(ValueError, match="one frame step"):
+        model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=(True, False)))
+    with pytest.raises(TypeError, match="page_size"):
+        model.init_continuous_batching(page_size=16)
+    with pytest.raises(ValueError, match="persistent_manager"):
+        with model.continuous_batching_context_manager(persistent_manager=True):
+            pass
+
+
+def test_each_engine_frame_is_read_back_once(model, prompts):
+    """A frame of running requests, streamed and called back included, reads its outputs to the host once."""
+    engine = Drama3Engine(model, max_batch=2)
+    engine.add_request(prompts[0], do_sample=False, max_new_tokens=20, streaming=True)
+    engine.add_request(prompts[1], seed=2, max_new_tokens=20, on_frame=lambda request_id, codes: None)
+    engine.step()  # both admitted
+    assert [device_reads(engine.step) for _ in range(3)] == [1, 1, 1]

@@ -27,6 +27,7 @@ from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTop
 from transformers_drama3.testing import write_tiny_checkpoint
 
 from .conftest import FIXTURES, GOLDEN_TINY, left_padded
+from .host_reads import device_reads
 from .tolerances import codec_decode_reductions, main_logit_reductions, reordering_tolerance
 
 
@@ -529,3 +530,14 @@ def test_overlapped_streaming_reraises_a_codec_error(model, prompt, monkeypatch)
     with pytest.raises(RuntimeError, match="codec failed"):
         model.generate(prompt, seed=3, max_new_tokens=6, streamer=streamer)
     assert list(streamer) == []  # a consumer still sees the end of the stream
+
+
+def test_streaming_generate_reads_each_frame_back_once(model, prompt):
+    """With an audio streamer, each frame's codes, its end flags and its count are read to the host in one read (the
+    streamer and the retirement of ended sequences use that read): six more frames, six more reads."""
+    def reads(frames: int) -> int:
+        streamer = Drama3AudioStreamer(model.codec, chunk_frames=64, first_chunk_frames=64, overlap=False)
+        run = lambda: model.generate(prompt, seed=3, max_new_tokens=frames, streamer=streamer, output_audio=False)
+        return device_reads(run)
+
+    assert reads(11) - reads(5) == 11 - 5  # both runs end at their limit (seed 3 makes 11 frames before any EOS)

@@ -69,3 +69,22 @@ def test_a_plain_load_is_float32_without_a_gpu():
         assert {parameter.dtype for parameter in plain.codec.parameters()} == {torch.float32}
     chosen = AutoModel.from_pretrained(GOLDEN_TINY, dtype=torch.bfloat16)
     assert chosen.lm_head.weight.dtype == chosen.backbone.embed_tokens.weight.dtype == torch.bfloat16
+
+
+def test_nothing_imports_the_command_line_module():
+    """Imports go downwards: `cli.py` (the `drama3-tts` command) is a top; the server and the library import what they
+    share from `loading.py`, never from it."""
+    import ast
+    from pathlib import Path
+
+    package = Path(transformers_drama3.__file__).parent
+    importers = []
+    for path in package.rglob("*.py"):
+        depth = len(path.relative_to(package).parts) - 1  # 0 in the package, 1 in serving/ and training/
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                absolute = node.level == 0 and node.module == "transformers_drama3.cli"
+                relative = node.level == depth + 1 and node.module == "cli"
+                if absolute or relative:
+                    importers.append(str(path.relative_to(package)))
+    assert importers == []

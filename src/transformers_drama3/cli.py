@@ -36,6 +36,7 @@ from pathlib import Path
 from .chunking import MIN_CHUNK_BYTES
 from .cli_output import STDOUT, STDOUT_FORMATS, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 from .loading import (
+    default_threads_wait_passively,
     is_kernel_fallback,
     load_model,
     load_parallel_model,
@@ -266,14 +267,6 @@ def is_main_process() -> bool:
     from . import parallel
 
     return parallel.is_main_process()
-
-
-def default_threads_wait_passively() -> None:
-    """Unless the user chose otherwise, let idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`):
-    on a CPU shared with other work, spinning threads fight it for the cores and generation ran several times slower
-    (docs/performance.md, "Threads"). Read by the OpenMP runtime when torch loads, so called before torch is imported;
-    the thread count stays torch's default (one per core), which the same figures favour."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def main(argv: list[str] | None = None) -> int:

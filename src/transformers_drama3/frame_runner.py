@@ -334,14 +334,14 @@ class FrameLoop:
     """One `generate` call after its prefill: the whole batch admitted into a `FrameRunner` at once, its outputs,
     streaming, stopping criteria and the retirement of finished sequences."""
 
-    def __init__(self, model, settings, frames: int, prefill, input_ids, attention_mask, generators, streamer,
+    def __init__(self, model, settings, limit, prefill, input_ids, attention_mask, generators, streamer,
                  logits_processor, stopping_criteria):
         self.model, self.settings, self.streamer = model, settings, streamer
         self.logits_processor, self.stopping_criteria = logits_processor, stopping_criteria
         self.prefill, self.generators = prefill, generators
         batch, self.rows, width = input_ids.shape
-        # Frames this call can make (generate's frame limit): max_new_tokens, or up to the context.
-        self.frames = frames
+        # Frames this call can make and the finish reason at that limit (generate's `Drama3FrameLimit`).
+        self.frames, self.limit_reason = limit.frames, limit.reason
         self.input_ids, self.attention_mask = input_ids, attention_mask
         # Prompt rows then the generated rows, grown in chunks (`_room`).
         self.sequences = torch.cat((input_ids, input_ids.new_zeros(batch, min(self.frames, OUTPUT_CHUNK_FRAMES), width)), 1)
@@ -418,11 +418,11 @@ class FrameLoop:
             runner.make_room()
             ended_before = runner.state.ended.clone() if runner.state.scores is not None else None
             runner.step(hook)
-            self._record(runner, step, ended_before)
+            outputs = self._record(runner, step, ended_before)
             on_step(1)
             if step + 1 == self.frames or (step + 1) % self.check_every:
                 continue
-            self._retire(runner, runner.finished())  # the one host sync of the interval
+            self._retire(runner, runner.finished(outputs))  # the one host read of the interval (or of the frame)
             if not runner.running:
                 break
         self._retire(runner, runner.finished())
@@ -430,9 +430,10 @@ class FrameLoop:
         decided = [n + (reason == FINISH_EOS) for n, reason in zip(self.lengths, self.finish_reason)]
         del self.scores[max(decided, default=0) :]
 
-    def _record(self, runner: FrameRunner, step: int, ended_before: torch.Tensor | None) -> None:
+    def _record(self, runner: FrameRunner, step: int, ended_before: torch.Tensor | None) -> torch.Tensor | None:
         """Write the step's frames into the outputs; stream them; run the stopping criteria; keep the scores (of the
-        sequences that had not ended before this step)."""
+        sequences that had not ended before this step). With a streamer, returns the frame's outputs as read to the
+        host (`runner.read()`, the frame's one host read), which also decide who finished."""
         state = runner.state
         rows, keys, members = self._index(runner)
         self._room(step)
@@ -446,10 +447,15 @@ class FrameLoop:
             scores[keys.to(scores.device)] = kept
             if self.settings.output_scores:
                 self.scores.append(scores)
-        if self.streamer is not None and bool(made.any()):
-            codes = new_rows.new_full((len(self.lengths), new_rows.shape[1] - 1), -1)  # [B, NCB]
-            codes[keys] = torch.where(made[:, None], new_rows[:, 1:], -1)
-            self.streamer.put(codes)
+        outputs = None
+        if self.streamer is not None:
+            outputs = runner.read()  # [b, 1 + NCB + 3] on the host
+            slots = runner.rows()[0]  # [n] the running sequences, in `members` order
+            if any(bool(outputs[slot, -3]) for slot in slots):  # one made a frame
+                running = outputs[slots]  # [n, 1 + NCB + 3]
+                codes = outputs.new_full((len(self.lengths), running.shape[1] - 4), -1)  # [B, NCB]
+                codes[members] = torch.where(running[:, -3, None].bool(), running[:, 1:-3], -1)
+                self.streamer.put(codes)
         if self.stopping_criteria:
             stop = self.stopping_criteria(self.sequences[:, : self.rows + step + 1], scores)
             stop = torch.as_tensor(stop, device=made.device).expand(len(self.lengths))[keys] & made
@@ -457,16 +463,17 @@ class FrameLoop:
                 stopping = [members[i] for i in stop.nonzero()[:, 0].tolist()]
                 runner.stop(stopping)
                 self.stopped.update(stopping)
+                outputs = None  # the flags read before the criteria no longer say who ended
+        return outputs
 
     def _retire(self, runner: FrameRunner, finished: list[tuple]) -> None:
         """Record the lengths and finish reasons of the sequences that ended, and free their rows."""
-        limit_reason = FINISH_LENGTH if self.frames == self.settings.max_new_tokens else FINISH_CONTEXT
         for key, frames, at_limit in finished:
             self.lengths[key] = frames
             if key in self.stopped:
                 self.finish_reason[key] = FINISH_STOP
             else:
-                self.finish_reason[key] = limit_reason if at_limit else FINISH_EOS
+                self.finish_reason[key] = self.limit_reason if at_limit else FINISH_EOS
         runner.release([key for key, _, _ in finished])
 
 

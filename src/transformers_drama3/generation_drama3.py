@@ -44,7 +44,7 @@ from transformers.generation.streamers import BaseStreamer
 from . import compat
 from .device_placement import execution_device
 from .frame_rows import left_pad_rows, padded_on_the_right
-from .frame_runner import FrameLoop, check_cuda_graphs, request_generators
+from .frame_runner import FINISH_CONTEXT, FINISH_LENGTH, FrameLoop, check_cuda_graphs, request_generators
 from .input_checks import attention_mask_layout, check_frame_layout
 from .prompt_cache import PromptCache, prefill
 from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
@@ -102,9 +102,19 @@ class Drama3GenerateOutput(GenerateDecoderOnlyOutput):
 
 
 class Drama3FrameLimit(MaxLengthCriteria):
-    """Drama 3's length limit, in rows `[B, T + n, 1 + NCB]`: `max_new_tokens` frames after the prompt, and never
-    past the backbone's context (`max_position_embeddings` rows; the last frame is not fed back, so `T + n` may reach
-    the context + 1). The frame loop runs it on the device; only the user's criteria run on the host."""
+    """Drama 3's length limit, in rows `[B, T + n, 1 + NCB]`: `max_new_tokens` frames after a prompt of
+    `prompt_length` rows, and never past the backbone's `context` (`max_position_embeddings` rows; the last frame is
+    not fed back, so `T + n` may reach the context + 1). `frames` is the limit in frames and `reason` the finish
+    reason of a sequence that reaches it (`"length"` or `"context"`): the one place both are decided, for `generate`
+    and the engine. The frame loop runs it on the device; only the user's criteria run on the host."""
+
+    def __init__(self, max_new_tokens: int, prompt_length: int, context: int):
+        room = context - prompt_length + 1  # frames before the context is full
+        if room < 1:
+            raise ValueError(f"the prompt has {prompt_length} rows, more than the context of {context} allows")
+        self.frames = min(max_new_tokens, room)
+        self.reason = FINISH_LENGTH if self.frames == max_new_tokens else FINISH_CONTEXT
+        super().__init__(prompt_length + self.frames)
 
 
 def _is_int(value) -> bool:
@@ -212,16 +222,6 @@ class Drama3GenerationMixin(GenerationMixin):
         device for later calls (they are rebuilt on the next such call)."""
         self._kept_frame_states = None
 
-    def init_continuous_batching(self, generation_config: GenerationConfig | None = None, max_batch: int = 8,
-                                 fast_decode: bool = False, compile_step: bool | str = False):
-        """A `Drama3Engine` (engine.py) over this model: continuous batching, where transformers' manager (text
-        tokens only) cannot run frames. `generation_config`: the requests' default settings. Start it with
-        `start()` (or `with`), then `add_request` / `get_result`."""
-        from .engine import Drama3Engine  # engine.py imports this module
-
-        return Drama3Engine(self, max_batch=max_batch, fast_decode=fast_decode, compile_step=compile_step,
-                            generation_config=generation_config)
-
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
         """transformers' merge (`model.generation_config` < `generation_config` < keywords), after refusing the
         settings that do not apply and checking Drama 3's own (before transformers' checks, which name fewer)."""
@@ -270,8 +270,9 @@ class Drama3GenerationMixin(GenerationMixin):
         _refuse_types(criteria, FRAME_STOPPING_CRITERIA, "stopping_criteria",
                       "a Drama 3 sequence ends at its EOS frame (finish reason 'eos'), never on a text token or "
                       "string")
-        context = self.config.text_config.max_position_embeddings
-        criteria.append(Drama3FrameLimit(min(generation_config.max_length, context + 1)))
+        prompt_length = generation_config.max_length - generation_config.max_new_tokens  # transformers' sum
+        criteria.append(Drama3FrameLimit(generation_config.max_new_tokens, prompt_length,
+                                         self.config.text_config.max_position_embeddings))
         return criteria
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -299,12 +300,11 @@ class Drama3GenerationMixin(GenerationMixin):
         user_criteria = [c for c in stopping_criteria if c is not limit]
 
         prefilled = prefill(self, input_ids, attention_mask, model_kwargs.get("prompt_cache"))
-        frames = limit.max_length - input_ids.shape[1]  # max_new_tokens, within the context
-        loop = FrameLoop(self, settings, frames, prefilled, input_ids, attention_mask, generators, streamer,
+        loop = FrameLoop(self, settings, limit, prefilled, input_ids, attention_mask, generators, streamer,
                          LogitsProcessorList(user_processors) if user_processors else None,
                          StoppingCriteriaList(user_criteria) if user_criteria else None)
         try:
-            with tqdm(total=frames, unit="frame", leave=False,
+            with tqdm(total=limit.frames, unit="frame", leave=False,
                       disable=not model_kwargs.get("show_progress")) as bar:
                 loop.run(on_step=bar.update)
         finally:

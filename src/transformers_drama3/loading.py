@@ -27,6 +27,14 @@ def under_torchrun() -> bool:
     return parallel.launched_with_torchrun()
 
 
+def default_threads_wait_passively() -> None:
+    """Unless the user chose otherwise, let idle OpenMP threads sleep instead of spinning (`OMP_WAIT_POLICY=PASSIVE`):
+    on a CPU shared with other work, spinning threads fight it for the cores and generation ran several times slower
+    (docs/performance.md, "Threads"). Read by the OpenMP runtime when torch loads, so called before torch is imported;
+    the thread count stays torch's default (one per core), which the same figures favour."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+
 def check_device(device: str) -> None:
     """Refuse a device torch does not know, or one this machine does not have, with a message saying what to use."""
     import torch

@@ -26,6 +26,7 @@ from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, exp
 from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
 from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
+from .continuous_batching import Drama3ContinuousBatchingMixin
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
 from .input_checks import (
@@ -113,7 +114,7 @@ class CandidateRowsHead(nn.Module):
         return F.linear(hidden, self.weight)  # [..., V + 1]
 
 
-class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3GenerationMixin):
+class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, Drama3GenerationMixin):
     """Drama 3 text-to-speech: frame rows in, main-token and codebook logits out (generation and audio build on it).
 
     Modules: `backbone` (Qwen3.5-MoE text model), `lm_head` (only the EOS + semantic-band rows are ever used),

@@ -18,7 +18,7 @@ import signal
 import sys
 from pathlib import Path
 
-from ..cli import default_threads_wait_passively
+from ..loading import default_threads_wait_passively
 from .settings import ServerSettings
 
 API_KEY_VARIABLE = "DRAMA3_API_KEY"

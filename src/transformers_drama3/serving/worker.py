@@ -318,7 +318,7 @@ class GenerationWorker:
             if result.finish_reason == FINISH_FAILED:
                 logger.error("request %s failed: %s", job.request_id, result.error)
                 self.end_audio(job)
-                self.finish(job, failure(result.error, "generation failed"))
+                self.finish(job, failure(result.exception, "generation failed"))
                 return
             if result.finish_reason != FINISH_CANCELLED and not job.cancelled.is_set():
                 job.spoken.append(job.next_text)

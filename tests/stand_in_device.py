@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 STAND_IN = torch.device("cuda", 0)
 CPU = torch.device("cpu")
@@ -47,6 +47,17 @@ class StandInDeviceError(RuntimeError):
 
 def is_stand_in(value) -> bool:
     return isinstance(value, StandInTensor)
+
+
+def _flat(args, kwargs=None) -> list:
+    """The arguments of an op with its lists spread out (an op's schema nests no deeper), without pytree's cost."""
+    flat = []
+    for value in (*args, *(kwargs or {}).values()):
+        if isinstance(value, (list, tuple)):
+            flat.extend(value)
+        else:
+            flat.append(value)
+    return flat
 
 
 def _on_stand_in(device) -> bool:
@@ -97,7 +108,7 @@ def _check_devices(func, flat: list, args) -> None:
     if func in _CROSS_DEVICE:
         return
     if func in _CPU_INDICES:
-        flat = tree_flatten((args[:1], args[2:]))[0]
+        flat = _flat(args[:1] + args[2:])
     on_cpu = [t for t in flat if isinstance(t, torch.Tensor) and type(t) is not StandInTensor
               and t.device.type == "cpu" and t.dim() > 0]
     if on_cpu:
@@ -123,7 +134,7 @@ def _check_generator(func, kwargs, on_stand_in: bool) -> None:
 def run_op(func, args, kwargs):
     """Run one aten op on the CPU tensors behind its arguments; outputs go on the stand-in when an input is there or
     when `device=` names it."""
-    flat, spec = tree_flatten((args, kwargs))
+    flat = _flat(args, kwargs)
     marked = any(type(t) is StandInTensor for t in flat)
     if not marked and "device" not in kwargs:
         return func(*args, **kwargs)
@@ -136,17 +147,15 @@ def run_op(func, args, kwargs):
     if "device" in kwargs:
         marked = _on_stand_in(kwargs["device"])
         kwargs = {**kwargs, "device": CPU if marked else kwargs["device"]}
-        flat, spec = tree_flatten((args, kwargs))
     if func is aten.histc.default and marked and not args[0].is_floating_point():
         # CUDA's histc counts integers, the CPU's only floats (transformers' grouped experts count tokens with it)
         inner = args[0].inner
         return StandInTensor(func(inner.float(), *args[1:], **kwargs).to(inner.dtype))
-    inner = [t.inner if type(t) is StandInTensor else t for t in flat]
-    inner_args, inner_kwargs = tree_unflatten(inner, spec)
+    originals = {}
+    inner_args, inner_kwargs = tree_map(lambda t: _unwrap_noting(t, originals), (args, kwargs))
     out = func(*inner_args, **inner_kwargs)
     if not marked:
         return out
-    originals = {id(i): t for i, t in zip(inner, flat) if isinstance(t, torch.Tensor)}
 
     def wrap(value):
         if not isinstance(value, torch.Tensor) or value.device.type != "cpu":
@@ -155,6 +164,15 @@ def run_op(func, args, kwargs):
         return original if original is not None else StandInTensor(value)
 
     return tree_map(wrap, out)
+
+
+def _unwrap_noting(value, originals: dict):
+    """`_unwrap`, noting which argument each CPU tensor came from (by id)."""
+    if isinstance(value, torch.Tensor):
+        inner = _unwrap(value)
+        originals[id(inner)] = value
+        return inner
+    return value
 
 
 class _Dispatch(TorchDispatchMode):
@@ -249,7 +267,7 @@ def _call(func, args, kwargs):
     are checked; bindings that need a CUDA device guard run on the CPU tensors."""
     device, generator = kwargs.get("device"), kwargs.get("generator")
     if generator is not None:  # (checked here: dispatch sees torch's Generator, not the stand-in's)
-        on_device = _on_stand_in(device) or any(is_stand_in(t) for t in tree_flatten(args)[0])
+        on_device = _on_stand_in(device) or any(is_stand_in(t) for t in _flat(args))
         _check_generator(func, kwargs, on_device)
     if device is not None and _on_stand_in(device):
         tensor = args[0] if args else None
@@ -270,7 +288,7 @@ class _Functions(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if (torch.is_grad_enabled() and getattr(func, "__name__", None) not in _NO_GRAPH
-                and any(is_stand_in(t) and t.requires_grad for t in tree_flatten((args, kwargs))[0])):
+                and any(is_stand_in(t) and t.requires_grad for t in _flat(args, kwargs))):
             # autograd's C++ side sets a CUDA device guard for a gradient on a CUDA tensor, which a CPU-only torch
             # cannot (it aborts the process): refuse cleanly instead
             raise NotImplementedError(f"{func.__name__}: the stand-in device has no autograd (run it under no_grad)")
@@ -309,7 +327,7 @@ def _run_on_inner(func, args, kwargs):
     if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
         _check_indexing(func, args)
     else:
-        _check_devices(func, tree_flatten((args, kwargs))[0], args)
+        _check_devices(func, _flat(args, kwargs), args)
     out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
     return tree_map(lambda t: StandInTensor(t) if isinstance(t, torch.Tensor) else t, out)
 

@@ -32,6 +32,7 @@ from transformers_drama3.synthesis import synthesize
 from transformers_drama3.training.collator import Drama3SpeechCollator
 from transformers_drama3.training.lora import drama3_lora_config
 from transformers_drama3.training.prepare import speech_example
+from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
 from .stand_in_device import CUDA_LOG, DEFAULT_STREAM, STAND_IN, StandInDeviceError, is_stand_in, stand_in_cuda
@@ -111,16 +112,20 @@ def test_codec_takes_audio_and_codes_from_the_cpu(model):
     assert is_stand_in(model.codec.decode(cpu_codes[..., :0]).audio_values)  # no frames: still the codec's device
 
 
-def test_processor_encodes_references_and_returns_audio_on_the_cpu(model, processor):
-    codes = processor.encode_audio(tone(), RATE)
-    assert on_cpu(codes) and codes.shape[0] == model.config.num_codebooks
-    inputs = processor("Hello there.", references=[{"audio": tone(), "sampling_rate": RATE, "transcript": "Hi."}])
-    assert on_cpu(inputs["input_ids"])
-    frames = model.generate(**inputs, max_new_tokens=FRAMES, do_sample=False, output_audio=False).sequences
+def test_processor_turns_device_frames_into_cpu_audio(model, processor):
+    frames = model.generate(**processor(["Hello there.", "Yes."]), max_new_tokens=FRAMES, do_sample=False,
+                            output_audio=False).sequences
     assert is_stand_in(frames)
     audio = processor.frames_to_audio(frames[0])
     assert on_cpu(audio) and audio.dtype == torch.float32 and audio.numel() > 0
     assert all(on_cpu(a) for a in processor.batch_frames_to_audio(frames))
+
+
+def test_processor_encodes_references_to_cpu_codes(model, processor):
+    codes = processor.encode_audio(tone(), RATE)
+    assert on_cpu(codes) and codes.shape[0] == model.config.num_codebooks
+    inputs = processor("Hello there.", references=[{"audio": tone(), "sampling_rate": RATE, "transcript": "Hi."}])
+    assert on_cpu(inputs["input_ids"]) and on_cpu(inputs["attention_mask"])
 
 
 # -- generation -------------------------------------------------------------------------------------------------------
@@ -174,7 +179,7 @@ def test_engine_results_are_on_the_cpu_and_decode_on_the_device(model, processor
 def test_synthesize_long_text_with_a_saved_voice(model, processor, tmp_path):
     path = tmp_path / "me.voice.safetensors"
     processor.create_voice("This is my voice.", tone(), RATE).save(path)
-    voice = type(processor.create_voice("x", tone(0.1), RATE)).load(path)
+    voice = Drama3Voice.load(path)
     speech = synthesize(model, processor, "First part of it, a longer one. Second part of it, longer too.",
                         references=[voice], chunk_bytes=40, max_new_tokens=FRAMES, seed=0)
     assert len(speech.texts) > 1 and on_cpu(speech.audio) and speech.audio.numel() > 0
@@ -197,14 +202,13 @@ def cli_model(model, monkeypatch):
     monkeypatch.setattr(cli, "load_model", lambda path, device, dtype: model)
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_cli_clones_a_voice_on_the_device(cli_model, tmp_path, stream):
+def test_cli_clones_a_voice_and_streams_on_the_device(cli_model, tmp_path):
     reference, output = tmp_path / "me.wav", tmp_path / "out.wav"
     reference.write_bytes(wav_bytes())
     args = ["--model", str(GOLDEN_TINY), "--device", "cuda", "--dtype", "float32", "--quiet", "--seed", "0",
             "--max-new-tokens", str(FRAMES), "--reference", str(reference), "--reference-text", "Hi.",
             "-o", str(output), "Hello there."]
-    assert cli.main(args + (["--stream"] if stream else [])) == 0
+    assert cli.main([*args, "--stream"]) == 0
     assert soundfile.info(str(output)).frames > 0
 
 
@@ -228,18 +232,26 @@ def server(model, monkeypatch, tmp_path):
         yield running
 
 
-def test_server_enrols_streams_batches_and_talks_websocket(server):
+def test_server_streams_enrols_and_batches(server):
+    with httpx.Client(base_url=server.url, timeout=600) as http:
+        body = {"model": "drama3", "input": "Hello there.", "max_new_tokens": FRAMES, "response_format": "pcm"}
+        with http.stream("POST", "/v1/audio/speech", json={**body, "stream": True}) as pcm:  # the worker's streamer
+            assert pcm.status_code == 200, pcm.read()
+            assert len(pcm.read()) > 0
+        enrolled = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."},
+                             files={"audio": ("me.wav", wav_bytes(), "audio/wav")})
+        assert enrolled.status_code == 201, enrolled.text
+        batch = http.post("/v1/audio/speech/batch", json={"model": "drama3", "response_format": "pcm", "items": [
+            {"input": "Yes.", "max_new_tokens": FRAMES, "seed": 1}, {"input": "No.", "voice": "me"}]})
+        assert batch.status_code == 200, batch.text
+        assert all(base64.b64decode(item["audio"]) for item in batch.json()["data"])
+
+
+def test_server_websocket_session_with_an_enrolled_voice(server):
     with httpx.Client(base_url=server.url, timeout=600) as http:
         enrolled = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."},
                              files={"audio": ("me.wav", wav_bytes(), "audio/wav")})
         assert enrolled.status_code == 201, enrolled.text
-        body = {"model": "drama3", "input": "Hello there.", "voice": "me", "max_new_tokens": FRAMES}
-        with http.stream("POST", "/v1/audio/speech", json={**body, "response_format": "pcm", "stream": True}) as pcm:
-            assert pcm.status_code == 200 and len(pcm.read()) > 0
-        batch = http.post("/v1/audio/speech/batch", json={"model": "drama3", "response_format": "pcm", "items": [
-            {"input": "Yes.", "max_new_tokens": FRAMES, "seed": 1}, {"input": "No.", "max_new_tokens": FRAMES}]})
-        assert batch.status_code == 200, batch.text
-        assert all(base64.b64decode(item["audio"]) for item in batch.json()["data"])
     with connect(server.url.replace("http://", "ws://") + "/v1/audio/speech/stream", open_timeout=600) as socket:
         socket.send(json.dumps({"type": "session.start", "model": "drama3", "max_new_tokens": FRAMES, "voice": "me"}))
         assert json.loads(socket.recv(timeout=600))["type"] == "session.created"

@@ -106,7 +106,7 @@ def synthesize_with_voice(model, processor, folder: Path) -> str:
     processor.create_voice("This is my voice.", tone(), RATE).save(path)
     text = " ".join(["First part of it, a longer one.", "Second part of it, longer too.", "And a third."] * 2)
     speech = synthesize(model, processor, text, references=[Drama3Voice.load(path)], chunk_bytes=40,
-                        max_new_tokens=FRAMES, seed=0)
+                        max_new_tokens=FRAMES, seed=0, show_progress=False)
     assert len(speech.texts) > 1 and speech.audio.device.type == "cpu" and speech.audio.numel() > 0
     return f"{len(speech.texts)} chunks, {speech.audio.numel()} samples"
 
@@ -185,8 +185,10 @@ def server_paths(device: str, dtype: str, folder: Path) -> str:
     from transformers_drama3.serving import ServerSettings
     from transformers_drama3.serving.thread import ServerThread
 
+    voices = folder / f"voices-{dtype}"
+    voices.mkdir(exist_ok=True)
     settings = ServerSettings(model=str(GOLDEN_TINY), model_name="drama3", device=device, dtype=dtype,
-                              voices_dir=folder / f"voices-{dtype}", max_frames=FRAMES, max_batch=8)
+                              voices_dir=voices, max_frames=FRAMES, max_batch=8)
     with ServerThread(settings).wait_until_ready(120) as server, httpx.Client(base_url=server.url, timeout=120) as http:
         enrolled = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."},
                              files={"audio": ("me.wav", wav_bytes(), "audio/wav")})

@@ -10,8 +10,11 @@ is on, so the server's and the streamer's threads see it too.
 
 `torch.cuda.is_available()` says True; `torch.cuda.Stream`, `Event`, `current_stream`, `stream` and
 `torch.Generator(device="cuda")` get stand-ins, and `CUDA_LOG` records which thread waited on which event, and on
-which stream. What cannot be stood in for (CUDA graphs, `torch.compile` for CUDA, real kernels) is not: the
-acceptance run on a GPU (benchmarks/gpu_check.sh) covers those.
+which stream. What cannot be stood in for is not: CUDA graphs, `torch.compile` for CUDA, real kernels, and
+autograd (a CPU-only torch has no CUDA device guard, which autograd sets for a gradient on a CUDA tensor: an op that
+would record one raises `NotImplementedError` instead; Python bindings that set a guard before dispatching, such as
+indexing, run on the CPU tensors behind their arguments with the same device rules). The acceptance run on a GPU
+(benchmarks/gpu_paths.py, the first stage of benchmarks/gpu_check.sh) covers those.
 
 Why not `FakeTensorMode`: the user paths read values back (stop flags, codes, audio), which fake tensors do not hold.
 """
@@ -92,11 +95,6 @@ class StandInTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return run_op(func, args, kwargs or {})
-
-
-def to_stand_in(tensor: torch.Tensor) -> StandInTensor:
-    """A copy of CPU `tensor` on the stand-in device (as `.cuda()` copies)."""
-    return tensor if is_stand_in(tensor) else StandInTensor(tensor.detach().clone())
 
 
 def _unwrap(value):
@@ -436,9 +434,6 @@ def stand_in_cuda(monkeypatch) -> Iterator[None]:
     """Make `cuda:0` the stand-in device in this thread and in every thread started inside (with pytest's
     `monkeypatch`, which undoes the patches)."""
     CUDA_LOG.clear()
-    # A CPU-only torch has no device guard for CUDA, which C++ code (indexing, for one) sets around ops on CUDA
-    # tensors; this installs torch's no-op one, as FakeTensorMode does for the same reason.
-    torch._C._ensureCUDADeviceGuardSet()
     patches = {
         "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
         "set_device": lambda device: None, "synchronize": lambda device=None: None, "empty_cache": lambda: None,
@@ -466,4 +461,4 @@ def stand_in_cuda(monkeypatch) -> Iterator[None]:
 
 
 __all__ = ["CUDA_LOG", "DEFAULT_STREAM", "STAND_IN", "StandInDeviceError", "StandInTensor", "is_stand_in",
-           "stand_in_cuda", "to_stand_in"]
+           "stand_in_cuda"]

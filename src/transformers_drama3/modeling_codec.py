@@ -56,6 +56,7 @@ from .codec_layout import (
 )
 from .codes import check_codes
 from .configuration_drama3 import FishDACConfig
+from .device_placement import execution_device
 
 INIT_STD = 0.02  # standard deviation of a new codec's conv and linear weights
 
@@ -411,11 +412,12 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         `[batch, 1, frames * frame_length]` in [-1, 1] (mono, in the package's `[batch, channels, samples]` layout).
 
         Ids above a codebook's size are clamped to its last entry (docs/format.md#codec-decoding); negative ids are
-        an error.
+        an error. The codes may be on any device: they are moved to the codec's, where the audio is returned.
         """
-        codes = _clamped_codes(audio_codes, self.quantizer.codebook_sizes)
+        device = execution_device(self)
+        codes = _clamped_codes(audio_codes, self.quantizer.codebook_sizes).to(device)  # one copy, if any
         if codes.shape[-1] == 0:
-            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=codes.device))
+            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=device))
         return FishDACDecoderOutput(self.decoder(self.quantizer.decode(codes)).float())  # [batch, 1, samples]
 
     @_codec_inference
@@ -426,11 +428,13 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         `audio` is in the package's layout: `[samples]` or `[channels, samples]` (one recording, batch 1) or
         `[batch, channels, samples]`; channels are averaged to mono. Audio at another rate is resampled to
         `config.sample_rate` with `resample_audio`; the result is right-padded with zeros to a whole number of
-        frames.
+        frames. The audio may be on any device (it is checked and resampled there, then moved to the codec's once);
+        the codes are returned on the codec's device.
         """
         audio = _mono_audio(audio, sampling_rate)  # [batch, samples]
         audio = resample_audio(audio, int(sampling_rate), self.config.sample_rate)
-        audio = F.pad(audio, (0, -audio.shape[-1] % self.config.frame_length)).to(self.dtype)
+        audio = F.pad(audio, (0, -audio.shape[-1] % self.config.frame_length))
+        audio = audio.to(execution_device(self), self.dtype)  # one copy to the codec's device, if any
         return FishDACEncoderOutput(self.quantizer.encode(self.encoder(audio[:, None])))
 
     def forward(self, audio: Tensor | None = None, sampling_rate: int | None = None,
@@ -478,13 +482,14 @@ class FishDACStreamingDecoder:
     @_codec_inference
     def decode(self, audio_codes: Tensor) -> FishDACDecoderOutput:
         """Codes `[batch, num_codebooks, n]` -> `FishDACDecoderOutput`, `audio_values` float32 `[batch, 1, n *
-        frame_length]` continuing the stream."""
-        codes = _clamped_codes(audio_codes, self.codec.quantizer.codebook_sizes)
+        frame_length]` continuing the stream, on the codec's device (the codes may be on any device)."""
+        device = execution_device(self.codec)
+        codes = _clamped_codes(audio_codes, self.codec.quantizer.codebook_sizes).to(device)  # one copy, if any
         if self._batch_size is not None and codes.shape[0] != self._batch_size:
             raise ValueError(f"this stream decodes a batch of {self._batch_size}, got a chunk of batch {codes.shape[0]}")
         self._batch_size = codes.shape[0]
         if codes.shape[-1] == 0:
-            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=codes.device))
+            return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=device))
         latents = self.codec.quantizer.decode(codes, self._state)
         audio = self.codec.decoder(latents, self._state).float()  # [batch, 1, samples]
         self.frames_decoded += codes.shape[-1]

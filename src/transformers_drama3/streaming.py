@@ -11,12 +11,15 @@ sequence, so each sequence's chunks join into exactly the audio of one decode of
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
 
 import torch
 from transformers.generation.streamers import BaseStreamer
+
+from .device_placement import execution_device
 
 # on_audio(sequence, chunk): a decoded float32 chunk `[n * frame_length]` of `sequence`, or None once its audio is done.
 AudioCallback = Callable[[int, "torch.Tensor | None"], None]
@@ -34,6 +37,9 @@ class Drama3AudioStreamer(BaseStreamer):
     in the generating thread between two frames: the same chunks in the same order, and the codec's time no longer
     adds to the frames'. `on_audio` is then called from the worker. `end()` waits for the worker and re-raises an
     error it met.
+
+    Codes may arrive on any device (`generate` puts them on the model's, the engine on the CPU): each chunk's codes
+    move to the codec's device once, and each chunk of audio comes back to the CPU once (float32).
     """
 
     def __init__(
@@ -126,13 +132,15 @@ class Drama3AudioStreamer(BaseStreamer):
             self._emit(sequence, None if codes is None else self._decode(sequence, codes))
             return
         event = None
-        if codes is not None and codes.device.type == "cuda":  # the worker's stream waits for the codes to be written
+        if codes is not None and codes.device.type == "cuda":  # marks when the frame loop's stream wrote the codes
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(codes.device))
         self._jobs.put((sequence, codes, event))
 
     def _decode(self, sequence: int, codes: torch.Tensor) -> torch.Tensor:
-        return self._sequences[sequence].decoder.decode(codes).audio_values[0, 0].cpu()  # [n * frame_length]
+        """One chunk's codes `[1, NCB, n]` (any device: the decoder moves them to the codec's once) -> its audio
+        `[n * frame_length]`, brought back to the CPU once."""
+        return self._sequences[sequence].decoder.decode(codes).audio_values[0, 0].cpu()
 
     def _emit(self, sequence: int, chunk: torch.Tensor | None) -> None:
         if self.on_audio is not None:
@@ -142,8 +150,13 @@ class Drama3AudioStreamer(BaseStreamer):
             self._queue.put(chunk)
 
     def _decode_jobs(self) -> None:
-        """The worker of `overlap=True`: decode chunks in order until told to stop; keep the first error."""
-        stream = None
+        """The worker of `overlap=True`: decode chunks in order until told to stop; keep the first error.
+
+        With the codec on a GPU, every decode runs on the worker's own CUDA stream. Codes made on a GPU are waited
+        for there (their event), never by the frame loop; codes from the CPU (the engine's) are copied to the codec's
+        device on that stream."""
+        device = execution_device(self.codec)
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         while (job := self._jobs.get()) is not None:
             if self._error is not None:
                 continue
@@ -151,14 +164,14 @@ class Drama3AudioStreamer(BaseStreamer):
             try:
                 if codes is None:
                     self._emit(sequence, None)
-                elif event is None:
-                    self._emit(sequence, self._decode(sequence, codes))
-                else:
-                    stream = stream or torch.cuda.Stream(codes.device)
-                    with torch.cuda.stream(stream):
+                    continue
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    if event is not None and stream is not None:
                         stream.wait_event(event)
                         codes.record_stream(stream)
-                        self._emit(sequence, self._decode(sequence, codes))
+                    elif event is not None:  # GPU codes, codec elsewhere: the copy out waits for them here
+                        event.synchronize()
+                    self._emit(sequence, self._decode(sequence, codes))
             except Exception as error:  # noqa: BLE001  (re-raised by end(), in the generating thread)
                 self._error = error
 

@@ -36,6 +36,7 @@ from .device_placement import execution_device
 from .frame_runner import FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, FrameRunner, KeptStates, check_cuda_graphs
 from .generation_drama3 import generation_settings
 from .prompt_cache import PromptCache, prefill
+from .settings_checks import check_seed
 
 logger = logging.get_logger(__name__)
 
@@ -157,6 +158,8 @@ class Drama3Engine:
             prompt_cache.check(input_ids, attention_mask)
         if seed is not None and generator is not None:
             raise ValueError("pass either seed or generator, not both")
+        if seed is not None:
+            check_seed(seed)
         if generator is None:
             generator = torch.Generator(device=self.noise_device)
             generator.manual_seed(seed) if seed is not None else generator.seed()

@@ -36,7 +36,7 @@ from .device_placement import execution_device
 from .frame_runner import FINISH_CONTEXT, FINISH_EOS, FINISH_LENGTH, FrameRunner, KeptStates, check_cuda_graphs
 from .generation_drama3 import generation_settings
 from .prompt_cache import PromptCache, prefill
-from .settings_checks import check_seed
+from .settings_checks import check_flag, check_seed
 
 logger = logging.get_logger(__name__)
 
@@ -146,6 +146,13 @@ class Drama3Engine:
             input_ids = input_ids[None]
         if input_ids.dim() != 3 or input_ids.shape[0] != 1:
             raise ValueError(f"add_request takes the frame rows of one prompt [T, 1 + NCB], got {tuple(input_ids.shape)}")
+        check_flag("streaming", streaming)
+        check_flag("front", front)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string (or None for a new id), got {request_id!r}")
+        for name, callback in (("on_frame", on_frame), ("on_finish", on_finish)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function (or None), got {type(callback).__name__}")
         keywords = dict(settings)
         if max_new_tokens is not None:
             keywords["max_new_tokens"] = max_new_tokens

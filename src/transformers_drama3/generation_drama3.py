@@ -47,7 +47,7 @@ from .frame_runner import FrameLoop, check_cuda_graphs, request_generators
 from .input_checks import attention_mask_layout, check_frame_layout
 from .prompt_cache import PromptCache, prefill
 from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
-from .settings_checks import check_generation_settings
+from .settings_checks import check_flag, check_generation_settings
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
@@ -324,6 +324,8 @@ class Drama3GenerationMixin(GenerationMixin):
         full_mask = attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
                                           input_ids.device)  # all ones when none is given
         attention_mask = full_mask if attention_mask is None else attention_mask
+        check_flag("output_audio", output_audio)
+        check_flag("show_progress", show_progress)
         refused = [key for key, value in kwargs.items()
                    if key in _TRANSFORMERS_ONLY_ARGUMENTS and value is not None and value is not False]
         if refused:

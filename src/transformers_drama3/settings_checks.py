@@ -42,9 +42,11 @@ def is_integer(value) -> bool:
 
 def float32_of(value) -> float | None:
     """`value` rounded to float32 as the frame step's tensors hold it; None when it is no real number (a bool, a
-    string, ...) or is not finite in float32 (NaN, an infinity, beyond about 3.4e38)."""
+    string, ...), is not finite in float32 (NaN, an infinity, beyond about 3.4e38) or is an int beyond int64."""
     if not isinstance(value, numbers.Real) or isinstance(value, bool) or type(value).__name__ == "bool_":
         return None
+    if is_integer(value) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        return None  # torch reads a Python int as int64 before converting it to float32
     try:
         rounded = struct.unpack("<f", struct.pack("<f", float(value)))[0]  # OverflowError past float32's range
     except (OverflowError, ValueError):
@@ -56,6 +58,12 @@ def check_integer(name: str, value, least: int, hint: str = "") -> None:
     """An integer in `[least, INT64_MAX]` (the int64 a tensor holds it in)."""
     if not is_integer(value) or not least <= value <= INT64_MAX:
         raise SettingError(name, value, f"an integer in [{least}, {INT64_MAX}]", hint)
+
+
+def check_flag(name: str, value) -> None:
+    """True or False, never another value taken for one (`"no"` is truthy; 1 is a number)."""
+    if not isinstance(value, bool):
+        raise SettingError(name, value, "True or False")
 
 
 def check_seed(value, name: str = "seed") -> None:
@@ -70,8 +78,7 @@ def check_generation_settings(values: dict) -> None:
     is of the wrong type, out of range, or not representable in the tensor that holds it. The sampling settings'
     ranges apply when sampling (`do_sample`); greedy decoding ignores their values, but they must still be numbers."""
     for name in FLAGS:
-        if not isinstance(values[name], bool):
-            raise SettingError(name, values[name], "True or False")
+        check_flag(name, values[name])
     compile_step = values["compile_step"]
     if not isinstance(compile_step, bool) and not (isinstance(compile_step, str) and compile_step.strip()):
         raise SettingError("compile_step", compile_step, "True, False or a torch.compile backend name")
@@ -91,5 +98,5 @@ def check_generation_settings(values: dict) -> None:
             check_integer(name, values[name], 0, " (0 or None: no limit)")
 
 
-__all__ = ["FLOAT32_MAX", "INT64_MAX", "SEED_RANGE", "SettingError", "check_generation_settings", "check_integer",
-           "check_seed", "float32_of", "is_integer"]
+__all__ = ["FLOAT32_MAX", "INT64_MAX", "SEED_RANGE", "SettingError", "check_flag", "check_generation_settings",
+           "check_integer", "check_seed", "float32_of", "is_integer"]

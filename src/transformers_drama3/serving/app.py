@@ -35,6 +35,7 @@ from ..audio_io import AudioEncoder
 from ..generation_drama3 import generation_settings
 from ..loading import load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
+from ..settings_checks import SettingError
 from .audio_encoding import ResponseFormat, check_response_format, response_encoder
 from .errors import APIError, body_too_large, install_error_handlers
 from .metrics import PROMETHEUS_TEXT, CountRequests, ServerMetrics
@@ -217,18 +218,22 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     @app.post("/v1/audio/speech/batch")
     async def speech_batch(body: BatchSpeechRequest, request: Request) -> JSONResponse:
         service = ready()
+        if len(body.items) > settings.max_queue:  # could never be queued whole: refused, never half run
+            raise APIError(413, f"a batch has at most {settings.max_queue} items (the server's --max-queue); got "
+                           f"{len(body.items)}: split it into several calls", "items", "batch_too_large")
         loop = asyncio.get_running_loop()
-        bodies = [batch_item(body, index) for index, item in enumerate(body.items)]
-        specs = [check_response_format(item.response_format, "audio", None) for item in bodies]  # sent complete
-        jobs = [await asyncio.to_thread(make_job, item, service, settings, voices, loop) for item in bodies]
+        bodies = [batch_item(body, index) for index in range(len(body.items))]
+        specs = [item_checked(index, check_response_format, item.response_format, "audio", None)  # sent complete
+                 for index, item in enumerate(bodies)]
+        jobs = [await asyncio.to_thread(item_checked, index, make_job, item, service, settings, voices, loop)
+                for index, item in enumerate(bodies)]
+        service.worker.submit(*jobs)  # all of them or none
         try:
-            for job in jobs:
-                service.worker.submit(job)
             results = await asyncio.gather(*(batch_result(job, item, spec, request, service.model.config.sampling_rate)
                                              for job, item, spec in zip(jobs, bodies, specs)))
         finally:
             for job in jobs:
-                job.cancel()  # no effect on finished jobs; frees the rest if the client left or one was refused
+                job.cancel()  # no effect on finished jobs; frees the rest if the client left
         data = [{"index": index, **result} for index, result in enumerate(results)]
         return JSONResponse({"object": "list", "model": settings.model_name, "data": data})
 
@@ -240,6 +245,15 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         fields = item.model_dump(exclude_unset=True)
         fields["model"], fields["response_format"] = item.model or body.model, item.response_format or body.response_format
         return SpeechRequest.model_validate(fields)
+
+    def item_checked(index: int, check, *args):
+        """`check(*args)` for item `index` of a batch: its errors name the item (`items[3].temperature`)."""
+        try:
+            return check(*args)
+        except APIError as error:
+            param = f"items[{index}].{error.param}" if error.param else f"items[{index}]"
+            raise APIError(error.status, f"items[{index}]: {error.message}", param, error.code,
+                           error.headers) from error
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
@@ -350,8 +364,7 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
         checked_settings = generation_settings(service.model.generation_config, **requested)
     except (TypeError, ValueError) as error:
         message = str(error).replace("use do_sample=False", "send temperature 0")  # the HTTP API's word for it
-        named = [name for name in requested if name in message]  # the setting the message is about comes first
-        param = min(named, key=message.find) if named else None
+        param = error.setting if isinstance(error, SettingError) else next(iter(requested), None)
         raise APIError(400, message, param, "invalid_value") from error
     if checked_settings.do_sample:
         sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,

@@ -9,6 +9,7 @@ import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -21,6 +22,7 @@ from websockets.sync.client import connect
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.app import create_app
 from transformers_drama3.serving.draining import DrainingServer
+from transformers_drama3.serving.errors import APIError
 from transformers_drama3.serving.text_stream import SentenceBuffer, StreamError
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
@@ -79,15 +81,42 @@ def test_batch_answers_each_input_as_its_own_request_would(http):
 
 
 @pytest.mark.parametrize("items, param", [
-    ([{"input": "Hi.", "voice": "nobody"}], "voice"),
+    ([{"input": "Hi.", "voice": "nobody"}], "items[0].voice"),
     ([{"input": "Hi.", "stream_format": "sse"}], "items[0].stream_format"),
-    ([{"input": "Hi.", "colour": "red"}], "items.0.colour"),
+    ([{"input": "Hi.", "colour": "red"}], "items[0].colour"),
+    ([{"input": "Hi."}, {"input": "Hi.", "temperature": 1e308}], "items[1].temperature"),
+    ([{"input": "Hi."}, {"input": "Hi.", "max_new_tokens": "4"}], "items[1].max_new_tokens"),
+    ([{"input": "Hi."}, {"input": "Hi.", "response_format": "aiff"}], "items[1].response_format"),
     ([], "items"),
 ])
-def test_a_bad_batch_item_refuses_the_whole_call(http, items, param):
+def test_a_bad_batch_item_refuses_the_whole_call(server, http, items, param):
+    before = server.service.worker.metrics.requests
     response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param and (param == "items" or param.split(".")[0] in error["message"])
+    assert server.service.worker.metrics.requests == before  # nothing was queued
+
+
+def test_a_batch_is_queued_whole_or_refused_with_its_limit(server, http, monkeypatch):
+    """The issue's case: with --max-queue 2 a 3-item batch answered 429 forever, after running one item. Now it is
+    refused up front (413, the limit named) and nothing runs; 2 items fit; a queue that cannot take all of a batch
+    takes none of it (429, and a retry can succeed)."""
+    worker = server.service.worker
+    monkeypatch.setattr(worker, "max_queue", 2)
+    before = worker.metrics.requests
+    items = [{"input": "Hi.", "temperature": 0, "max_new_tokens": 1}] * 3
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items})
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["param"] == "items" and error["code"] == "batch_too_large" and "at most 2 items" in error["message"]
+    assert worker.metrics.requests == before
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items[:2]})
+    assert response.status_code == 200 and len(response.json()["data"]) == 2
+    jobs = [SimpleNamespace(request_id=f"fake-{index}") for index in range(3)]
+    with pytest.raises(APIError) as refused:
+        worker.submit(*jobs)  # 3 would pass the queue's 2: none is taken
+    assert refused.value.status == 429 and not any(job.request_id in worker.jobs for job in jobs)
 
 
 # -- WS /v1/audio/speech/stream ----------------------------------------------------------------------------------

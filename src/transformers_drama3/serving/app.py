@@ -218,11 +218,11 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     @app.post("/v1/audio/speech/batch")
     async def speech_batch(body: BatchSpeechRequest, request: Request) -> JSONResponse:
         service = ready()
-        if len(body.items) > settings.max_queue:  # could never be queued whole: refused, never half run
-            raise APIError(413, f"a batch has at most {settings.max_queue} items (the server's --max-queue); got "
+        if len(body.items) > service.worker.max_queue:  # could never be queued whole: refused, never half run
+            raise APIError(413, f"a batch has at most {service.worker.max_queue} items (the server's --max-queue); got "
                            f"{len(body.items)}: split it into several calls", "items", "batch_too_large")
         loop = asyncio.get_running_loop()
-        bodies = [batch_item(body, index) for index in range(len(body.items))]
+        bodies = [item_checked(index, batch_item, body, index) for index in range(len(body.items))]
         specs = [item_checked(index, check_response_format, item.response_format, "audio", None)  # sent complete
                  for index, item in enumerate(bodies)]
         jobs = [await asyncio.to_thread(item_checked, index, make_job, item, service, settings, voices, loop)
@@ -241,7 +241,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         item = body.items[index]
         if item.stream_format != "audio":
             raise APIError(400, "items of a batch cannot stream: leave stream_format out (audio comes back as base64 "
-                           "in the JSON response)", f"items[{index}].stream_format", "unsupported_value")
+                           "in the JSON response)", "stream_format", "unsupported_value")
         fields = item.model_dump(exclude_unset=True)
         fields["model"], fields["response_format"] = item.model or body.model, item.response_format or body.response_format
         return SpeechRequest.model_validate(fields)

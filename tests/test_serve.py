@@ -26,12 +26,14 @@ from transformers_drama3 import loading
 from transformers_drama3.audio_io import OGG_SERIAL, set_ogg_serial
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.audio_encoding import AAC_PRIMING
 from transformers_drama3.serving import cli as serving_cli
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY, default_sigint
+from .test_audio_formats import decode_adts
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -162,6 +164,22 @@ def test_encoded_formats(http, response_format):
     samples, rate = soundfile.read(io.BytesIO(response.content), dtype="float32")
     assert rate == (48000 if response_format == "opus" else 44100)
     assert samples.shape[0] >= 4 * 2048 * rate // 44100 * 0.9  # lossy encoders may trim a little padding
+
+
+def test_aac_for_the_openai_client(server, http):
+    """OpenAI's `aac`: ADTS frames (`audio/aac`), streamed by default and byte for byte the complete response, that
+    decode to the speech's length after the encoder's priming."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+    body = {"input": "Hello there.", "temperature": 0, "max_new_tokens": 4}
+    streamed = client.audio.speech.create(model=MODEL, voice="default", response_format="aac",
+                                          input=body["input"], extra_body={"temperature": 0, "max_new_tokens": 4})
+    complete = speech(http, **body, response_format="aac", stream=False)
+    assert complete.status_code == 200 and complete.headers["content-type"] == "audio/aac"
+    assert streamed.content == complete.content
+    frames = len(speech(http, **body, response_format="pcm").content) // (2048 * 2)
+    samples, rate, channels = decode_adts(complete.content)
+    assert rate == 44100 and channels == 1 and frames > 0
+    assert AAC_PRIMING + frames * 2048 <= len(samples) < AAC_PRIMING + frames * 2048 + 2 * 1024
 
 
 def test_missing_encoder_is_a_clear_error(http, monkeypatch):

@@ -4,6 +4,7 @@ with the same request sent to `POST /v1/audio/speech` (the same server, seed and
 `generate` run here (within the streamed-vs-one-shot bound of tests/test_serve.py)."""
 
 import base64
+import io
 import json
 import signal
 import socket
@@ -14,12 +15,14 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
+import soundfile
 import torch
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 import uvicorn
 from websockets.sync.client import connect
 
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.audio_encoding import AAC_PRIMING
 from transformers_drama3.serving.app import create_app
 from transformers_drama3.serving.draining import DrainingServer
 from transformers_drama3.serving.errors import APIError
@@ -28,6 +31,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
+from .test_audio_formats import decode_adts
 from .test_serve import (  # noqa: F401 (http, reference: fixtures; http on this module's server)
     AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, reference, wav_samples,
 )
@@ -143,7 +147,8 @@ def test_text_streamed_in_is_spoken_sentence_by_sentence(server, http):
         socket.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 9, "max_new_tokens": FRAMES,
                                 "voice": "narrator"}))
         created = json.loads(socket.recv(timeout=TIMEOUT))
-        assert created == {"type": "session.created", "sample_rate": 44100, "encoding": "pcm_s16le", "seed": 9}
+        assert created == {"type": "session.created", "sample_rate": 44100, "encoding": "pcm_s16le",
+                           "response_format": "pcm", "seed": 9}
         for piece in ["Hello", " there.", " How are", " you? Fine", " thanks"]:  # as an LLM writes its tokens
             socket.send(json.dumps({"type": "text.append", "text": piece}))
         socket.send(json.dumps({"type": "text.done"}))
@@ -157,6 +162,42 @@ def test_text_streamed_in_is_spoken_sentence_by_sentence(server, http):
         assert len(pcm) == event["frames"] * BYTES_PER_FRAME > 0
     # The first utterance has no history: it is the request of its text alone (the session's seed, then seed + 1...).
     assert audio[0] == single(http, input="Hello there.", seed=9, max_new_tokens=FRAMES, voice="narrator")
+
+
+def test_a_session_speaks_in_its_own_format(server):
+    """`response_format` per session: each utterance's binary messages make one complete stream of that format
+    (Ogg Opus at 48 kHz here, AAC in ADTS below), as long as the utterance's frames."""
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 2, "max_new_tokens": FRAMES,
+                                "response_format": "opus"}))
+        created = json.loads(socket.recv(timeout=TIMEOUT))
+        assert created["encoding"] == "ogg_opus" and created["sample_rate"] == 48000
+        socket.send(json.dumps({"type": "text.append", "text": "Hello there. Good day."}))
+        socket.send(json.dumps({"type": "text.done"}))
+        events, audio = read_session(socket)
+    done = [event for event in events if event["type"] == "utterance.done"]
+    assert len(done) == len(audio) == 2
+    for event, data in zip(done, audio):
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")  # a whole Ogg Opus stream
+        expected = event["frames"] * 2048 * 48000 // 44100
+        assert rate == 48000 and abs(len(samples) - expected) <= 48000 // 100  # Opus trims to 10 ms granules
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "max_new_tokens": FRAMES,
+                                "response_format": "aac"}))
+        assert json.loads(socket.recv(timeout=TIMEOUT))["encoding"] == "aac_adts"
+        socket.send(json.dumps({"type": "text.append", "text": "Hi."}))
+        socket.send(json.dumps({"type": "text.done"}))
+        events, audio = read_session(socket)
+    frames = next(event["frames"] for event in events if event["type"] == "utterance.done")
+    samples, rate, channels = decode_adts(audio[0])
+    assert rate == 44100 and channels == 1
+    assert AAC_PRIMING + frames * 2048 <= len(samples) < AAC_PRIMING + frames * 2048 + 2 * 1024
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "response_format": "flac"}))
+        event = json.loads(socket.recv(timeout=TIMEOUT))
+        assert event["error"]["param"] == "response_format" and "'pcm', 'opus', 'mp3', 'aac'" in event["error"]["message"]
+        read_session(socket)
+    assert socket.close_code == 1008
 
 
 def test_a_bad_session_gets_an_error_event_and_a_policy_close(server):

@@ -1,6 +1,6 @@
 """The FastAPI application of `drama3-serve`: OpenAI's speech endpoint and the server's own routes.
 
-    POST /v1/audio/speech   speech (OpenAI and sglang-omni requests + Drama 3 fields); pcm/mp3/opus stream, wav on
+    POST /v1/audio/speech   speech (OpenAI and sglang-omni requests + Drama 3 fields); pcm/mp3/opus/aac stream, wav on
                             request ("stream": true), sse events; flac and wav complete (audio_encoding.py)
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
@@ -296,7 +296,7 @@ async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat
     if isinstance(events[-1], APIError):
         return {"id": job.request_id, "error": events[-1].body()["error"]}
     audio = torch.cat([torch.zeros(0), *events[:-1]])  # [samples]
-    encoder = AudioEncoder(body.response_format, sampling_rate, streamed=False)  # complete: a WAV with real sizes
+    encoder = response_encoder(body.response_format, sampling_rate, streamed=False)  # complete: a WAV's real sizes
     data = await asyncio.to_thread(lambda: encoder.encode(audio) + encoder.finish())
     done = events[-1]
     return {"id": job.request_id, "seed": job.seed, "response_format": body.response_format,

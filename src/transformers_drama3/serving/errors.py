@@ -113,6 +113,9 @@ def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:
     async def http_error(request: Request, error: HTTPException) -> JSONResponse:
         if error.status_code == 413:  # the body limit (app.RequestGuard)
             return body_too_large(max_body_bytes).response()
+        if error.status_code == 400:  # FastAPI could not parse the body (bytes that are not UTF-8 JSON)
+            return APIError(400, f"the request body is not valid JSON ({error.detail}): send a UTF-8 JSON object",
+                            WHOLE_BODY, "invalid_json").response()
         code = "not_found" if error.status_code == 404 else None
         return APIError(error.status_code, str(error.detail), code=code, headers=error.headers).response()
 

@@ -97,7 +97,7 @@ async def receive_json(websocket: WebSocket) -> dict:
         value = None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise StreamError(APIError(400, 'every client message is a JSON object with a "type" (text messages, not '
-                                   "binary)", code="invalid_message"), CLOSE_POLICY)
+                                   "binary)", "type", "invalid_message"), CLOSE_POLICY)
     return value
 
 

@@ -46,7 +46,8 @@ class SpeechRequest(BaseModel):
                                  description="a saved voice name (GET /v1/voices), an OpenAI voice name, or 'default'")
     response_format: str = "mp3"
     speed: float = Field(1.0, strict=True)
-    stream: bool | None = Field(None, strict=True, description="send the audio as it is made (default: the format's own)")
+    stream: bool | None = Field(None, strict=True,
+                                description="send the audio as it is made (default: the format's own)")
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
     language: str | None = Field(None, description="accepted; Drama 3 reads the language from the text itself")
@@ -57,8 +58,10 @@ class SpeechRequest(BaseModel):
     temperature: float | None = Field(None, strict=True, description="main-token temperature; 0 means greedy decoding")
     top_p: float | None = Field(None, strict=True)
     top_k: int | None = Field(None, strict=True, description="main-token top-k; 0 or left out: no limit")
-    repetition_penalty: float | None = Field(None, strict=True, description="only 1.0 (none): Drama 3 samples without penalties")
-    max_new_tokens: int | None = Field(None, strict=True, description="most frames per text chunk (21.5 frames = 1 s)")
+    repetition_penalty: float | None = Field(None, strict=True,
+                                             description="only 1.0 (none): Drama 3 samples without penalties")
+    max_new_tokens: int | None = Field(None, strict=True,
+                                       description="most frames per text chunk (21.5 frames = 1 s)")
 
     @property
     def voice_name(self) -> str:

@@ -172,7 +172,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         a voice was replaced, 201 when it is new)."""
         service = ready()
         if voices.directory is None:
-            raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
+            raise APIError(400, "this server saves no voices: start it with --voices DIR", "name", "voices_disabled")
         form = await request.form()
         name = replacing if replacing is not None else form.get("name")
         transcript, upload = form.get("transcript"), form.get("audio")

@@ -223,10 +223,13 @@ def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Names
     from transformers import GenerationConfig
 
     from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+    from .settings_checks import check_seed
 
     flags = generation_flags(args)
     try:
         generation_settings(GenerationConfig(**DRAMA3_GENERATION_DEFAULTS), **flags)
+        if getattr(args, "seed", None) is not None:
+            check_seed(args.seed, "--seed")
     except (TypeError, ValueError) as error:
         message = str(error).replace("do_sample=False", "--greedy")
         for name in flags:  # the setting's name as the flag the user typed

@@ -95,7 +95,7 @@ def short_repr(value) -> str:
 
 def body_too_large(max_body_bytes: int) -> APIError:
     return APIError(413, f"the request body is larger than this server's limit of {max_body_bytes} bytes "
-                    "(--max-body-bytes)", code="request_too_large")
+                    "(--max-body-bytes)", WHOLE_BODY, "request_too_large")
 
 
 def install_error_handlers(app: FastAPI, max_body_bytes: int) -> None:

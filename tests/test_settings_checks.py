@@ -187,3 +187,14 @@ def test_switches_take_no_truthy_stand_ins(golden_model, prompt):
         with pytest.raises((SettingError, TypeError), match=next(iter(keywords))):
             engine.add_request(prompt[0], **keywords)
     assert not engine.waiting
+
+
+def test_synthesize_checks_settings_before_encoding_references(golden_model, golden_processor, monkeypatch):
+    from transformers_drama3 import synthesis
+
+    def encoded(*args, **kwargs):
+        raise AssertionError("references were encoded before the settings were checked")
+
+    monkeypatch.setattr(synthesis, "encode_references", encoded)
+    with pytest.raises(SettingError, match="temperature"):
+        synthesis.synthesize(golden_model, golden_processor, "Hello there.", temperature=1e308)

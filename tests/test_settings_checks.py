@@ -102,8 +102,12 @@ def test_seed_range_is_torchs():
             check_seed(seed)
 
 
-GENERATE_KEYWORDS = sorted(DRAMA3_GENERATION_DEFAULTS) + ["seed", "output_audio", "show_progress", "prompt_cache",
-                                                          "generator", "no_such_setting"]
+GENERATE_KEYWORDS = sorted(DRAMA3_GENERATION_DEFAULTS) + [
+    "seed", "output_audio", "show_progress", "prompt_cache", "generator", "no_such_setting", "generation_config",
+    "logits_processor", "stopping_criteria", "streamer", "attention_mask"]
+ENGINE_ONLY = ["front", "streaming", "request_id", "on_frame", "on_finish"]
+NOT_ENGINE = {"output_audio", "show_progress", "generator", "generation_config", "logits_processor",
+              "stopping_criteria", "streamer", "attention_mask"}
 
 
 def settings_and_junk(names):
@@ -144,8 +148,7 @@ def test_generate_refuses_by_name_or_runs(golden_model, prompt, keywords):
 
 
 @settings(max_examples=80, deadline=None)
-@given(keywords=settings_and_junk(sorted(set(GENERATE_KEYWORDS) - {"output_audio", "show_progress", "generator"})
-                                  + ["front", "streaming", "request_id", "on_frame", "on_finish"]))
+@given(keywords=settings_and_junk(sorted(set(GENERATE_KEYWORDS) - NOT_ENGINE) + ENGINE_ONLY))
 def test_add_request_refuses_by_name_or_queues(golden_model, prompt, keywords):
     """Every keyword of `add_request`: refused naming it before anything is queued, or queued (then cancelled)."""
     engine = ENGINES.setdefault("engine", Drama3Engine(golden_model, max_batch=2))

@@ -47,7 +47,7 @@ from .frame_runner import FrameLoop, check_cuda_graphs, request_generators
 from .input_checks import attention_mask_layout, check_frame_layout
 from .prompt_cache import PromptCache, prefill
 from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
-from .settings_checks import check_flag, check_generation_settings
+from .settings_checks import check_flag, check_generation_settings, check_hooks
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
@@ -326,6 +326,7 @@ class Drama3GenerationMixin(GenerationMixin):
         attention_mask = full_mask if attention_mask is None else attention_mask
         check_flag("output_audio", output_audio)
         check_flag("show_progress", show_progress)
+        check_hooks(generation_config, logits_processor, stopping_criteria, streamer)
         refused = [key for key, value in kwargs.items()
                    if key in _TRANSFORMERS_ONLY_ARGUMENTS and value is not None and value is not False]
         if refused:

@@ -73,6 +73,30 @@ def check_seed(value, name: str = "seed") -> None:
         raise SettingError(name, value, f"an integer in [{low}, {high}]")
 
 
+def check_hooks(generation_config, logits_processor, stopping_criteria, streamer) -> None:
+    """The objects `generate` calls or reads, by type (a `TypeError` naming the keyword): a transformers
+    `GenerationConfig`, lists of callables (`LogitsProcessorList`, `StoppingCriteriaList`), a streamer with `put` and
+    `end`; each may be None."""
+    from transformers import GenerationConfig
+
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a transformers GenerationConfig (or None), got "
+                        f"{type(generation_config).__name__}")
+    for name, items in (("logits_processor", logits_processor), ("stopping_criteria", stopping_criteria)):
+        if items is not None and (not isinstance(items, (list, tuple)) or not all(callable(item) for item in items)):
+            raise TypeError(f"{name} must be a list of callables (transformers' {name.title().replace('_', '')}List), "
+                            f"got {short_type(items)}")
+    if streamer is not None and not all(callable(getattr(streamer, method, None)) for method in ("put", "end")):
+        raise TypeError(f"streamer must have put() and end() (a transformers BaseStreamer), got {short_type(streamer)}")
+
+
+def short_type(value) -> str:
+    """The type of `value`, and of its items for a list: `int`, `list of int`."""
+    if isinstance(value, (list, tuple)) and value:
+        return f"{type(value).__name__} of {', '.join(sorted({type(item).__name__ for item in value}))}"
+    return type(value).__name__
+
+
 def check_generation_settings(values: dict) -> None:
     """Raise a `SettingError` for the first Drama 3 generation setting in `values` (a complete set: name -> value) that
     is of the wrong type, out of range, or not representable in the tensor that holds it. The sampling settings'
@@ -99,4 +123,4 @@ def check_generation_settings(values: dict) -> None:
 
 
 __all__ = ["FLOAT32_MAX", "INT64_MAX", "SEED_RANGE", "SettingError", "check_flag", "check_generation_settings",
-           "check_integer", "check_seed", "float32_of", "is_integer"]
+           "check_hooks", "check_integer", "check_seed", "float32_of", "is_integer"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 import numbers
 import struct
 
+import numpy as np
+
 INT64_MAX = 2**63 - 1
 FLOAT32_MAX = struct.unpack("<f", bytes.fromhex("ffff7f7f"))[0]  # 3.4028234663852886e+38, the largest finite float32
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes (a 64-bit integer, signed or not)
@@ -37,13 +39,13 @@ class SettingError(ValueError):
 
 def is_integer(value) -> bool:
     """An integer (Python's or numpy's), not a bool."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
 
 
 def float32_of(value) -> float | None:
     """`value` rounded to float32 as the frame step's tensors hold it; None when it is no real number (a bool, a
     string, ...), is not finite in float32 (NaN, an infinity, beyond about 3.4e38) or is an int beyond int64."""
-    if not isinstance(value, numbers.Real) or isinstance(value, bool) or type(value).__name__ == "bool_":
+    if not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_)):
         return None
     if is_integer(value) and not -INT64_MAX - 1 <= value <= INT64_MAX:
         return None  # torch reads a Python int as int64 before converting it to float32

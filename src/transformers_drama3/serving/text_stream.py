@@ -30,6 +30,7 @@ import logging
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from ..audio_io import file_sampling_rate
 from ..chunking import complete_sentences_end
 from ..speaker_tags import SPEAKER_TAG, WHITE_SPACE
 from .audio_encoding import check_response_format, response_encoder
@@ -161,7 +162,7 @@ class SpeechStreamSession:
         check_response_format(body.response_format, "audio", True)  # installed encoders (APIError: closes 1008)
         first = await self.make_job(body)  # checks model, voice, references and settings before any text
         body.seed, self.references = first.seed, first.references
-        rate = self.encoder(body).sampling_rate
+        rate = file_sampling_rate(f"audio.{body.response_format}", self.sampling_rate)  # Opus: 48 kHz
         await self.send({"type": "session.created", "sample_rate": rate, "response_format": body.response_format,
                          "encoding": SESSION_ENCODINGS[body.response_format], "seed": first.seed})
         return body

@@ -31,10 +31,14 @@ class SettingError(ValueError):
     """A generation setting with a value it cannot take: `setting` (its name), `value` and `allowed` (in words)."""
 
     def __init__(self, setting: str, value, allowed: str, hint: str = ""):
-        shown = repr(value)
-        shown = shown if len(shown) <= 60 else shown[:57] + "..."
-        super().__init__(f"{setting} must be {allowed}, got {shown}{hint}")
+        super().__init__(f"{setting} must be {allowed}, got {short_repr(value)}{hint}")
         self.setting, self.value, self.allowed = setting, value, allowed
+
+
+def short_repr(value) -> str:
+    """`repr(value)`, cut to 60 characters for a message (a 5000-digit integer, a long string)."""
+    shown = repr(value)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def is_integer(value) -> bool:
@@ -125,4 +129,4 @@ def check_generation_settings(values: dict) -> None:
 
 
 __all__ = ["FLOAT32_MAX", "INT64_MAX", "SEED_RANGE", "SettingError", "check_flag", "check_generation_settings",
-           "check_hooks", "check_integer", "check_seed", "float32_of", "is_integer"]
+           "check_hooks", "check_integer", "check_seed", "float32_of", "is_integer", "short_repr"]

@@ -14,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from ..settings_checks import short_repr
+
 logger = logging.getLogger("transformers_drama3.serving")
 
 # HTTP status -> OpenAI error type.
@@ -86,11 +88,6 @@ def validation_error(error: RequestValidationError) -> APIError:
         return APIError(400, f"missing required field {param!r}", param, "missing_parameter")
     return APIError(400, f"{param}: {first.get('msg', 'invalid value')}, got {short_repr(first.get('input'))}", param,
                     "invalid_value")
-
-
-def short_repr(value) -> str:
-    shown = repr(value)
-    return shown if len(shown) <= 60 else shown[:57] + "..."
 
 
 def body_too_large(max_body_bytes: int) -> APIError:

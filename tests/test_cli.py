@@ -300,12 +300,16 @@ def test_usage_errors_exit_2(capsys, args, message):
 
 @pytest.mark.parametrize(
     "flag, value",
-    [("--temperature", "0"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--max-new-tokens", "0")],
+    [("--temperature", "0"), ("--top-p", "1.5"), ("--top-k", "-1"), ("--max-new-tokens", "0"),
+     ("--temperature", "1e308"), ("--temperature", "nan"), ("--top-k", "100000000000000000000"),
+     ("--max-new-tokens", "9223372036854775808"), ("--seed", "99999999999999999999999")],
 )
 def test_sampling_settings_are_checked_by_the_model_rules_before_loading(capsys, flag, value):
-    """One source of truth: `generation_settings` decides, the message names the flag."""
+    """One source of truth: `generation_settings` decides, the message names the flag and the value, in one line
+    (values too big for the frame step's float32 and int64 tensors included)."""
     status, out, err = _main(capsys, *MODEL, "Hello.", "-o", "x.wav", flag, value)
     assert status == 2 and f"error: {flag}" in err.replace("`", "") and "loading" not in err and out == ""
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
     assert os.listdir() == []
 
 

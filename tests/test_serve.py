@@ -26,12 +26,14 @@ from transformers_drama3 import loading
 from transformers_drama3.audio_io import OGG_SERIAL, set_ogg_serial
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.audio_encoding import AAC_PRIMING
 from transformers_drama3.serving import cli as serving_cli
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY, default_sigint
+from .test_audio_formats import decode_adts
 
 KEY = "test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -162,6 +164,22 @@ def test_encoded_formats(http, response_format):
     samples, rate = soundfile.read(io.BytesIO(response.content), dtype="float32")
     assert rate == (48000 if response_format == "opus" else 44100)
     assert samples.shape[0] >= 4 * 2048 * rate // 44100 * 0.9  # lossy encoders may trim a little padding
+
+
+def test_aac_for_the_openai_client(server, http):
+    """OpenAI's `aac`: ADTS frames (`audio/aac`), streamed by default and byte for byte the complete response, that
+    decode to the speech's length after the encoder's priming."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, timeout=TIMEOUT, max_retries=0)
+    body = {"input": "Hello there.", "temperature": 0, "max_new_tokens": 4}
+    streamed = client.audio.speech.create(model=MODEL, voice="default", response_format="aac",
+                                          input=body["input"], extra_body={"temperature": 0, "max_new_tokens": 4})
+    complete = speech(http, **body, response_format="aac", stream=False)
+    assert complete.status_code == 200 and complete.headers["content-type"] == "audio/aac"
+    assert streamed.content == complete.content
+    frames = len(speech(http, **body, response_format="pcm").content) // (2048 * 2)
+    samples, rate, channels = decode_adts(complete.content)
+    assert rate == 44100 and channels == 1 and frames > 0
+    assert AAC_PRIMING + frames * 2048 <= len(samples) < AAC_PRIMING + frames * 2048 + 2 * 1024
 
 
 def test_missing_encoder_is_a_clear_error(http, monkeypatch):
@@ -421,11 +439,19 @@ BAD_REQUESTS = [
     ({"voice": "nobody"}, 400, "voice", "unknown voice 'nobody'"),
     ({"voice": "../../etc/passwd"}, 400, "voice", "a name, not a path"),
     ({"voice": {"id": "../me"}}, 400, "voice", "a name, not a path"),
-    ({"response_format": "aac"}, 400, "response_format", "unsupported response_format"),
+    ({"response_format": "aiff"}, 400, "response_format", "unsupported response_format"),
     ({"response_format": "flac", "stream_format": "sse"}, 400, "response_format", "stream_format 'sse'"),
     ({"temperature": -1}, 400, "temperature", "(send temperature 0 for greedy)"),  # generation_settings' words
     ({"top_p": 1.5}, 400, "top_p", "top_p must be"),
-    ({"top_k": -1}, 400, "top_k", "top_k must be an integer >= 1 (0 or None for no limit)"),
+    ({"top_k": -1}, 400, "top_k", "top_k must be an integer in [0, 9223372036854775807], got -1 (0 or None: no limit)"),
+    # values the frame step's float32 and int64 tensors cannot hold, and types taken for others
+    ({"temperature": 1e308}, 400, "temperature", "temperature must be a number in (0, 3.4028235e+38]"),
+    ({"top_k": 10**20}, 400, "top_k", "got 100000000000000000000"),
+    ({"max_new_tokens": True}, 400, "max_new_tokens", "max_new_tokens: Input should be a valid integer, got True"),
+    ({"stream": "yes"}, 400, "stream", "stream: Input should be a valid boolean, got 'yes'"),
+    ({"seed": "7"}, 400, "seed", "seed: Input should be a valid integer, got '7'"),
+    ({"temperature": "0.5"}, 400, "temperature", "Input should be a valid number"),
+    ({"voice": 5}, 400, "voice", "voice: Input should be a valid string"),
     ({"ref_audio": "https://example.com/me.wav", "ref_text": "Hi."}, 400, "ref_audio", "fetches nothing"),
     ({"ref_audio": base64.b64encode(sine_wav(1.0)).decode()}, 400, "ref_text", "empty"),
     ({"response_format": "flac", "stream": True}, 400, "stream", "never streamed"),

@@ -4,28 +4,34 @@ with the same request sent to `POST /v1/audio/speech` (the same server, seed and
 `generate` run here (within the streamed-vs-one-shot bound of tests/test_serve.py)."""
 
 import base64
+import io
 import json
 import signal
 import socket
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
+import soundfile
 import torch
 from websockets.exceptions import ConnectionClosedError, InvalidStatus
 import uvicorn
 from websockets.sync.client import connect
 
 from transformers_drama3.serving import ServerSettings
+from transformers_drama3.serving.audio_encoding import AAC_PRIMING
 from transformers_drama3.serving.app import create_app
 from transformers_drama3.serving.draining import DrainingServer
+from transformers_drama3.serving.errors import APIError
 from transformers_drama3.serving.text_stream import SentenceBuffer, StreamError
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
+from .test_audio_formats import decode_adts
 from .test_serve import (  # noqa: F401 (http, reference: fixtures; http on this module's server)
     AUTH, KEY, MODEL, TIMEOUT, assert_close_pcm, http, pcm16, reference, wav_samples,
 )
@@ -79,15 +85,42 @@ def test_batch_answers_each_input_as_its_own_request_would(http):
 
 
 @pytest.mark.parametrize("items, param", [
-    ([{"input": "Hi.", "voice": "nobody"}], "voice"),
+    ([{"input": "Hi.", "voice": "nobody"}], "items[0].voice"),
     ([{"input": "Hi.", "stream_format": "sse"}], "items[0].stream_format"),
-    ([{"input": "Hi.", "colour": "red"}], "items.0.colour"),
+    ([{"input": "Hi.", "colour": "red"}], "items[0].colour"),
+    ([{"input": "Hi."}, {"input": "Hi.", "temperature": 1e308}], "items[1].temperature"),
+    ([{"input": "Hi."}, {"input": "Hi.", "max_new_tokens": "4"}], "items[1].max_new_tokens"),
+    ([{"input": "Hi."}, {"input": "Hi.", "response_format": "aiff"}], "items[1].response_format"),
     ([], "items"),
 ])
-def test_a_bad_batch_item_refuses_the_whole_call(http, items, param):
+def test_a_bad_batch_item_refuses_the_whole_call(server, http, items, param):
+    before = server.service.worker.metrics.requests
     response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items})
     assert response.status_code == 400, response.text
-    assert response.json()["error"]["param"] == param
+    error = response.json()["error"]
+    assert error["param"] == param and (param == "items" or param.split(".")[0] in error["message"])
+    assert server.service.worker.metrics.requests == before  # nothing was queued
+
+
+def test_a_batch_is_queued_whole_or_refused_with_its_limit(server, http, monkeypatch):
+    """The issue's case: with --max-queue 2 a 3-item batch answered 429 forever, after running one item. Now it is
+    refused up front (413, the limit named) and nothing runs; 2 items fit; a queue that cannot take all of a batch
+    takes none of it (429, and a retry can succeed)."""
+    worker = server.service.worker
+    monkeypatch.setattr(worker, "max_queue", 2)
+    before = worker.metrics.requests
+    items = [{"input": "Hi.", "temperature": 0, "max_new_tokens": 1}] * 3
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items})
+    assert response.status_code == 413, response.text
+    error = response.json()["error"]
+    assert error["param"] == "items" and error["code"] == "batch_too_large" and "at most 2 items" in error["message"]
+    assert worker.metrics.requests == before
+    response = http.post("/v1/audio/speech/batch", json={"model": MODEL, "items": items[:2]})
+    assert response.status_code == 200 and len(response.json()["data"]) == 2
+    jobs = [SimpleNamespace(request_id=f"fake-{index}") for index in range(3)]
+    with pytest.raises(APIError) as refused:
+        worker.submit(*jobs)  # 3 would pass the queue's 2: none is taken
+    assert refused.value.status == 429 and not any(job.request_id in worker.jobs for job in jobs)
 
 
 # -- WS /v1/audio/speech/stream ----------------------------------------------------------------------------------
@@ -114,7 +147,8 @@ def test_text_streamed_in_is_spoken_sentence_by_sentence(server, http):
         socket.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 9, "max_new_tokens": FRAMES,
                                 "voice": "narrator"}))
         created = json.loads(socket.recv(timeout=TIMEOUT))
-        assert created == {"type": "session.created", "sample_rate": 44100, "encoding": "pcm_s16le", "seed": 9}
+        assert created == {"type": "session.created", "sample_rate": 44100, "encoding": "pcm_s16le",
+                           "response_format": "pcm", "seed": 9}
         for piece in ["Hello", " there.", " How are", " you? Fine", " thanks"]:  # as an LLM writes its tokens
             socket.send(json.dumps({"type": "text.append", "text": piece}))
         socket.send(json.dumps({"type": "text.done"}))
@@ -128,6 +162,42 @@ def test_text_streamed_in_is_spoken_sentence_by_sentence(server, http):
         assert len(pcm) == event["frames"] * BYTES_PER_FRAME > 0
     # The first utterance has no history: it is the request of its text alone (the session's seed, then seed + 1...).
     assert audio[0] == single(http, input="Hello there.", seed=9, max_new_tokens=FRAMES, voice="narrator")
+
+
+def test_a_session_speaks_in_its_own_format(server):
+    """`response_format` per session: each utterance's binary messages make one complete stream of that format
+    (Ogg Opus at 48 kHz here, AAC in ADTS below), as long as the utterance's frames."""
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 2, "max_new_tokens": FRAMES,
+                                "response_format": "opus"}))
+        created = json.loads(socket.recv(timeout=TIMEOUT))
+        assert created["encoding"] == "ogg_opus" and created["sample_rate"] == 48000
+        socket.send(json.dumps({"type": "text.append", "text": "Hello there. Good day."}))
+        socket.send(json.dumps({"type": "text.done"}))
+        events, audio = read_session(socket)
+    done = [event for event in events if event["type"] == "utterance.done"]
+    assert len(done) == len(audio) == 2
+    for event, data in zip(done, audio):
+        samples, rate = soundfile.read(io.BytesIO(data), dtype="float32")  # a whole Ogg Opus stream
+        expected = event["frames"] * 2048 * 48000 // 44100
+        assert rate == 48000 and abs(len(samples) - expected) <= 48000 // 100  # Opus trims to 10 ms granules
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "max_new_tokens": FRAMES,
+                                "response_format": "aac"}))
+        assert json.loads(socket.recv(timeout=TIMEOUT))["encoding"] == "aac_adts"
+        socket.send(json.dumps({"type": "text.append", "text": "Hi."}))
+        socket.send(json.dumps({"type": "text.done"}))
+        events, audio = read_session(socket)
+    frames = next(event["frames"] for event in events if event["type"] == "utterance.done")
+    samples, rate, channels = decode_adts(audio[0])
+    assert rate == 44100 and channels == 1
+    assert AAC_PRIMING + frames * 2048 <= len(samples) < AAC_PRIMING + frames * 2048 + 2 * 1024
+    with connect(ws_url(server), additional_headers=AUTH, open_timeout=TIMEOUT) as socket:
+        socket.send(json.dumps({"type": "session.start", "model": MODEL, "response_format": "flac"}))
+        event = json.loads(socket.recv(timeout=TIMEOUT))
+        assert event["error"]["param"] == "response_format" and "'pcm', 'opus', 'mp3', 'aac'" in event["error"]["message"]
+        read_session(socket)
+    assert socket.close_code == 1008
 
 
 def test_a_bad_session_gets_an_error_event_and_a_policy_close(server):

@@ -220,19 +220,22 @@ def generation_flags(args: argparse.Namespace) -> dict:
 
 def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> dict:
     """`generation_flags`, checked by `generation_settings` against the Drama 3 defaults: the same rules `generate`
-    applies, before any model loads. An out-of-range value is a usage error (exit status 2) naming its flag."""
+    applies, before any model loads. An out-of-range value is a usage error (exit status 2, one line) naming its flag."""
     from transformers import GenerationConfig
 
     from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+    from .settings_checks import check_seed
 
     flags = generation_flags(args)
     try:
         generation_settings(GenerationConfig(**DRAMA3_GENERATION_DEFAULTS), **flags)
+        if getattr(args, "seed", None) is not None:
+            check_seed(args.seed, "--seed")
     except (TypeError, ValueError) as error:
         message = str(error).replace("do_sample=False", "--greedy")
         for name in flags:  # the setting's name as the flag the user typed
             message = re.sub(rf"(?<![\w-]){name}\b", "--" + name.replace("_", "-"), message)
-        parser.error(message)
+        parser.exit(2, f"{parser.prog}: error: {message}\n")  # one line: the usage would hide it
     return flags
 
 

@@ -46,6 +46,7 @@ from .device_placement import execution_device
 from .frame_runner import FINISH_EOS, FrameRunner, KeptStates, check_cuda_graphs
 from .generation_drama3 import Drama3FrameLimit, generation_settings
 from .prompt_cache import PromptCache, prefill
+from .settings_checks import check_flag, check_seed
 
 logger = logging.get_logger(__name__)
 
@@ -183,6 +184,13 @@ class Drama3Engine:
         refused = sorted(set(settings) & set(ENGINE_SETTINGS))
         if refused:
             raise ValueError(f"{refused[0]} is not a request's setting: {ENGINE_SETTINGS[refused[0]]}")
+        check_flag("streaming", streaming)
+        check_flag("front", front)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be a string (or None for a new id), got {request_id!r}")
+        for name, callback in (("on_frame", on_frame), ("on_finish", on_finish)):
+            if callback is not None and not callable(callback):
+                raise TypeError(f"{name} must be a function (or None), got {type(callback).__name__}")
         keywords = dict(settings)
         if max_new_tokens is not None:
             keywords["max_new_tokens"] = max_new_tokens
@@ -196,6 +204,8 @@ class Drama3Engine:
             prompt_cache.check(input_ids, attention_mask)
         if seed is not None and generator is not None:
             raise ValueError("pass either seed or generator, not both")
+        if seed is not None:
+            check_seed(seed)
         if generator is None:
             generator = torch.Generator(device=self.noise_device)
             generator.manual_seed(seed) if seed is not None else generator.seed()

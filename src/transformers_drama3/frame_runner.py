@@ -21,6 +21,7 @@ from transformers.utils import logging
 
 from .cuda_graphs import StepGraphs
 from .frame_step import FrameState, attention_window, row_limit
+from .settings_checks import SEED_RANGE, is_integer
 
 logger = logging.get_logger(__name__)
 
@@ -311,7 +312,7 @@ def request_generators(seed, generator, batch: int, device: torch.device):
     if seed is not None and generator is not None:
         raise ValueError("pass either seed or generator, not both")
     def valid_seed(value) -> bool:  # what torch.Generator.manual_seed takes: a 64-bit integer
-        return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**64
+        return is_integer(value) and SEED_RANGE[0] <= value <= SEED_RANGE[1]
 
     if isinstance(seed, (list, tuple)):
         if len(seed) != batch or not all(valid_seed(s) for s in seed):

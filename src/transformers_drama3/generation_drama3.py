@@ -14,7 +14,6 @@ decoding"). `generate` then decodes each sequence's codes into audio.
 from __future__ import annotations
 
 import inspect
-import math
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +47,7 @@ from .frame_runner import FINISH_CONTEXT, FINISH_LENGTH, FrameLoop, check_cuda_g
 from .input_checks import attention_mask_layout, check_frame_layout
 from .prompt_cache import PromptCache, prefill
 from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
+from .settings_checks import check_flag, check_generation_settings, check_hooks
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
@@ -115,42 +115,6 @@ class Drama3FrameLimit(MaxLengthCriteria):
         self.frames = min(max_new_tokens, room)
         self.reason = FINISH_LENGTH if self.frames == max_new_tokens else FINISH_CONTEXT
         super().__init__(prompt_length + self.frames)
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def check_settings(values: dict) -> None:
-    """Raise a `ValueError` naming the first Drama 3 generation setting in `values` that is out of range (types
-    included: a string, a NaN or an infinity is never a valid number)."""
-    if not _is_int(values["max_new_tokens"]) or values["max_new_tokens"] < 1:
-        raise ValueError(f"max_new_tokens (frames) must be an integer >= 1, got {values['max_new_tokens']!r}")
-    if not _is_int(values["stop_check_interval"]) or values["stop_check_interval"] < 1:
-        raise ValueError(f"stop_check_interval must be an integer >= 1, got {values['stop_check_interval']!r}")
-    if not isinstance(values["compile_step"], (bool, str)):
-        raise ValueError(f"compile_step must be True, False or a torch.compile backend name, got {values['compile_step']!r}")
-    for name in ("fast_decode", "do_sample", "return_dict_in_generate", "output_scores"):
-        if not isinstance(values[name], bool):
-            raise ValueError(f"{name} must be True or False, got {values[name]!r}")
-    if not _is_int(values["ras_window"]) or values["ras_window"] < 0:
-        raise ValueError(f"ras_window must be an integer >= 0, got {values['ras_window']!r}")
-    if not values["do_sample"]:
-        return
-    for name in ("temperature", "ras_temperature", "codebook_temperature"):
-        if not _is_number(values[name]) or values[name] <= 0:
-            raise ValueError(f"{name} must be a finite number > 0 when sampling (use do_sample=False for greedy), "
-                             f"got {values[name]!r}")
-    for name in ("top_p", "ras_top_p", "codebook_top_p"):
-        if not _is_number(values[name]) or not 0 < values[name] <= 1:
-            raise ValueError(f"{name} must be a number in (0, 1], got {values[name]!r}")
-    for name in ("top_k", "ras_top_k", "codebook_top_k"):
-        if values[name] is not None and (not _is_int(values[name]) or values[name] < 0):
-            raise ValueError(f"{name} must be an integer >= 1 (0 or None for no limit), got {values[name]!r}")
 
 
 def unsupported_arguments(names) -> TypeError:
@@ -228,7 +192,7 @@ class Drama3GenerationMixin(GenerationMixin):
         chosen = _refuse_what_does_not_apply(generation_config, kwargs)
         base = {key: getattr(self.generation_config, key, None) for key in DRAMA3_GENERATION_DEFAULTS}
         base = {key: DRAMA3_GENERATION_DEFAULTS[key] if value is None else value for key, value in base.items()}
-        check_settings({**base, **chosen})
+        check_generation_settings({**base, **chosen})
         if generation_config is None:
             compat.drop_generation_values_copied_into_config(self.config, self.generation_config)
         settings, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
@@ -360,6 +324,9 @@ class Drama3GenerationMixin(GenerationMixin):
         full_mask = attention_mask_layout(attention_mask, input_ids.shape[0], 0, input_ids.shape[1],
                                           input_ids.device)  # all ones when none is given
         attention_mask = full_mask if attention_mask is None else attention_mask
+        check_flag("output_audio", output_audio)
+        check_flag("show_progress", show_progress)
+        check_hooks(generation_config, logits_processor, stopping_criteria, streamer)
         refused = [key for key, value in kwargs.items()
                    if key in _TRANSFORMERS_ONLY_ARGUMENTS and value is not None and value is not False]
         if refused:

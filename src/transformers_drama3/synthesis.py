@@ -18,6 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from .device_placement import execution_device
 from .frame_runner import request_generators
+from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
 from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 
@@ -138,6 +139,8 @@ def synthesize(
     result = Drama3Speech(audio=torch.zeros(0), sampling_rate=model.config.sampling_rate)
     try:  # the streams end whatever happens, so a consumer iterating them never waits forever
         texts = processor.split_text(text, max_bytes=chunk_bytes, max_speakers=max_speakers)
+        settings = {key: value for key, value in generate_kwargs.items() if key in DRAMA3_GENERATION_DEFAULTS}
+        generation_settings(model.generation_config, **settings)  # bad settings fail before references are encoded
         if processor.codec is None:
             processor = processor.with_codec(model.codec)
         references = encode_references(processor, references)

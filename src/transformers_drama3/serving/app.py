@@ -1,6 +1,6 @@
 """The FastAPI application of `drama3-serve`: OpenAI's speech endpoint and the server's own routes.
 
-    POST /v1/audio/speech   speech (OpenAI and sglang-omni requests + Drama 3 fields); pcm/mp3/opus stream, wav on
+    POST /v1/audio/speech   speech (OpenAI and sglang-omni requests + Drama 3 fields); pcm/mp3/opus/aac stream, wav on
                             request ("stream": true), sse events; flac and wav complete (audio_encoding.py)
     GET  /v1/models         the one model this process serves
     GET  /v1/voices         saved voices;  POST /v1/voices enrols one from an uploaded recording
@@ -35,6 +35,7 @@ from ..audio_io import AudioEncoder
 from ..generation_drama3 import generation_settings
 from ..loading import load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
+from ..settings_checks import SettingError
 from .audio_encoding import ResponseFormat, check_response_format, response_encoder
 from .errors import APIError, body_too_large, install_error_handlers
 from .metrics import PROMETHEUS_TEXT, CountRequests, ServerMetrics
@@ -171,7 +172,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         a voice was replaced, 201 when it is new)."""
         service = ready()
         if voices.directory is None:
-            raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
+            raise APIError(400, "this server saves no voices: start it with --voices DIR", "name", "voices_disabled")
         form = await request.form()
         name = replacing if replacing is not None else form.get("name")
         transcript, upload = form.get("transcript"), form.get("audio")
@@ -217,18 +218,22 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     @app.post("/v1/audio/speech/batch")
     async def speech_batch(body: BatchSpeechRequest, request: Request) -> JSONResponse:
         service = ready()
+        if len(body.items) > service.worker.max_queue:  # could never be queued whole: refused, never half run
+            raise APIError(413, f"a batch has at most {service.worker.max_queue} items (the server's --max-queue); got "
+                           f"{len(body.items)}: split it into several calls", "items", "batch_too_large")
         loop = asyncio.get_running_loop()
-        bodies = [batch_item(body, index) for index, item in enumerate(body.items)]
-        specs = [check_response_format(item.response_format, "audio", None) for item in bodies]  # sent complete
-        jobs = [await asyncio.to_thread(make_job, item, service, settings, voices, loop) for item in bodies]
+        bodies = [item_checked(index, batch_item, body, index) for index in range(len(body.items))]
+        specs = [item_checked(index, check_response_format, item.response_format, "audio", None)  # sent complete
+                 for index, item in enumerate(bodies)]
+        jobs = [await asyncio.to_thread(item_checked, index, make_job, item, service, settings, voices, loop)
+                for index, item in enumerate(bodies)]
+        service.worker.submit(*jobs)  # all of them or none
         try:
-            for job in jobs:
-                service.worker.submit(job)
             results = await asyncio.gather(*(batch_result(job, item, spec, request, service.model.config.sampling_rate)
                                              for job, item, spec in zip(jobs, bodies, specs)))
         finally:
             for job in jobs:
-                job.cancel()  # no effect on finished jobs; frees the rest if the client left or one was refused
+                job.cancel()  # no effect on finished jobs; frees the rest if the client left
         data = [{"index": index, **result} for index, result in enumerate(results)]
         return JSONResponse({"object": "list", "model": settings.model_name, "data": data})
 
@@ -236,10 +241,19 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         item = body.items[index]
         if item.stream_format != "audio":
             raise APIError(400, "items of a batch cannot stream: leave stream_format out (audio comes back as base64 "
-                           "in the JSON response)", f"items[{index}].stream_format", "unsupported_value")
+                           "in the JSON response)", "stream_format", "unsupported_value")
         fields = item.model_dump(exclude_unset=True)
         fields["model"], fields["response_format"] = item.model or body.model, item.response_format or body.response_format
         return SpeechRequest.model_validate(fields)
+
+    def item_checked(index: int, check, *args):
+        """`check(*args)` for item `index` of a batch: its errors name the item (`items[3].temperature`)."""
+        try:
+            return check(*args)
+        except APIError as error:
+            param = f"items[{index}].{error.param}" if error.param else f"items[{index}]"
+            raise APIError(error.status, f"items[{index}]: {error.message}", param, error.code,
+                           error.headers) from error
 
     @app.websocket("/v1/audio/speech/stream")
     async def speech_stream(websocket: WebSocket) -> None:
@@ -282,7 +296,7 @@ async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat
     if isinstance(events[-1], APIError):
         return {"id": job.request_id, "error": events[-1].body()["error"]}
     audio = torch.cat([torch.zeros(0), *events[:-1]])  # [samples]
-    encoder = AudioEncoder(body.response_format, sampling_rate, streamed=False)  # complete: a WAV with real sizes
+    encoder = response_encoder(body.response_format, sampling_rate, streamed=False)  # complete: a WAV's real sizes
     data = await asyncio.to_thread(lambda: encoder.encode(audio) + encoder.finish())
     done = events[-1]
     return {"id": job.request_id, "seed": job.seed, "response_format": body.response_format,
@@ -350,8 +364,7 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
         checked_settings = generation_settings(service.model.generation_config, **requested)
     except (TypeError, ValueError) as error:
         message = str(error).replace("use do_sample=False", "send temperature 0")  # the HTTP API's word for it
-        named = [name for name in requested if name in message]  # the setting the message is about comes first
-        param = min(named, key=message.find) if named else None
+        param = error.setting if isinstance(error, SettingError) else next(iter(requested), None)
         raise APIError(400, message, param, "invalid_value") from error
     if checked_settings.do_sample:
         sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,

@@ -4,7 +4,8 @@
 `stream_format`, `instructions`) plus the fields of the official Drama 3 server's request (sglang-omni's): `stream`,
 `speaker` (another name for `voice`), `references` (each `audio` or `data`, and `text` or `transcript`), `ref_audio`
 with `ref_text`, `language`, `seed`, `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_new_tokens`.
-Types (and the seed's range) are checked here; the other ranges and the rules between fields are checked by the
+Types (and the seed's range) are checked here, strictly: a number is never read from a string (`"7"`) or a bool
+(`true`), nor a bool from a string (`"yes"`); the other ranges and the rules between fields are checked by the
 server with the package's own validation (`generation_settings`, the processor's text checks), so they read the same
 as in Python. Unknown fields are refused, so a misspelt setting is never silently ignored.
 """
@@ -44,20 +45,23 @@ class SpeechRequest(BaseModel):
     voice: str | VoiceID = Field("default", validation_alias=AliasChoices("voice", "speaker"),
                                  description="a saved voice name (GET /v1/voices), an OpenAI voice name, or 'default'")
     response_format: str = "mp3"
-    speed: float = 1.0
-    stream: bool | None = Field(None, description="send the audio as it is made (default: the format's own)")
+    speed: float = Field(1.0, strict=True)
+    stream: bool | None = Field(None, strict=True,
+                                description="send the audio as it is made (default: the format's own)")
     stream_format: Literal["audio", "sse"] = "audio"
     instructions: str | None = None
     language: str | None = Field(None, description="accepted; Drama 3 reads the language from the text itself")
     references: list[ReferenceAudio] = Field(default_factory=list)
     ref_audio: str | None = Field(None, description="one reference: base64 of an audio file (or a data: URL)")
     ref_text: str | None = Field(None, description="what is said in ref_audio")
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
-    temperature: float | None = Field(None, description="main-token temperature; 0 means greedy decoding")
-    top_p: float | None = None
-    top_k: int | None = Field(None, description="main-token top-k; 0 or left out: no limit")
-    repetition_penalty: float | None = Field(None, description="only 1.0 (none): Drama 3 samples without penalties")
-    max_new_tokens: int | None = Field(None, description="most frames per text chunk (21.5 frames = 1 s)")
+    seed: int | None = Field(None, ge=0, le=2**64 - 1, strict=True)
+    temperature: float | None = Field(None, strict=True, description="main-token temperature; 0 means greedy decoding")
+    top_p: float | None = Field(None, strict=True)
+    top_k: int | None = Field(None, strict=True, description="main-token top-k; 0 or left out: no limit")
+    repetition_penalty: float | None = Field(None, strict=True,
+                                             description="only 1.0 (none): Drama 3 samples without penalties")
+    max_new_tokens: int | None = Field(None, strict=True,
+                                       description="most frames per text chunk (21.5 frames = 1 s)")
 
     @property
     def voice_name(self) -> str:

@@ -10,9 +10,11 @@ session's references are encoded once. docs/serving.md ("Streaming text in over 
                        {"type": "text.append", "text": "..."}   (any number)
                        {"type": "text.flush"}                   (speak what is buffered, complete or not)
                        {"type": "text.done"}                    (no more text)
-    server -> client   {"type": "session.created", "sample_rate", "encoding": "pcm_s16le", "seed"}
+    server -> client   {"type": "session.created", "sample_rate", "encoding", "response_format", "seed"}
                        {"type": "utterance.started", "index", "text", "request_id"}
-                       binary messages: 16-bit little-endian mono PCM of that utterance, as it is generated
+                       binary messages: that utterance's audio, as it is generated, in the session's
+                       `response_format`: "pcm" (default: 16-bit little-endian mono), or an encoded stream ("opus":
+                       Ogg Opus at 48 kHz, "mp3", "aac": ADTS), one complete stream per utterance
                        {"type": "utterance.done", "index", "frames", "finish_reasons"}
                        {"type": "session.done", "utterances"}, then the server closes (1000)
                        {"type": "error", "error": {...}}, then the server closes (1008 bad message, 1011 failure,
@@ -28,9 +30,10 @@ import logging
 from fastapi import WebSocket, WebSocketDisconnect
 from pydantic import ValidationError
 
+from ..audio_io import file_sampling_rate
 from ..chunking import complete_sentences_end
 from ..speaker_tags import SPEAKER_TAG, WHITE_SPACE
-from .audio_encoding import pcm16
+from .audio_encoding import check_response_format, response_encoder
 from .errors import APIError, validation_error
 from .schemas import SpeechRequest
 from .worker import JobDone, SpeechJob
@@ -38,6 +41,8 @@ from .worker import JobDone, SpeechJob
 logger = logging.getLogger("transformers_drama3.serving")
 CLOSE_NORMAL, CLOSE_GOING_AWAY, CLOSE_POLICY, CLOSE_ERROR = 1000, 1001, 1008, 1011
 SEED_MODULUS = 2**64
+# A session's audio formats (those that stream) -> the `encoding` that session.created names.
+SESSION_ENCODINGS = {"pcm": "pcm_s16le", "opus": "ogg_opus", "mp3": "mp3", "aac": "aac_adts"}
 
 
 class StreamError(Exception):
@@ -93,7 +98,7 @@ async def receive_json(websocket: WebSocket) -> dict:
         value = None
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise StreamError(APIError(400, 'every client message is a JSON object with a "type" (text messages, not '
-                                   "binary)", code="invalid_message"), CLOSE_POLICY)
+                                   "binary)", "type", "invalid_message"), CLOSE_POLICY)
     return value
 
 
@@ -141,19 +146,25 @@ class SpeechStreamSession:
         if message.pop("type") != "session.start":
             raise StreamError(APIError(400, 'the first message must be {"type": "session.start", "model": ..., ...}',
                                        "type", "invalid_message"), CLOSE_POLICY)
-        for field in ("input", "response_format", "stream_format"):
+        for field in ("input", "stream_format"):
             if field in message:
                 raise StreamError(APIError(400, f"{field!r} is not a session setting: send text in text.append "
-                                           "messages; audio is always pcm_s16le", field, "unknown_parameter"),
+                                           "messages; audio always streams", field, "unknown_parameter"),
                                   CLOSE_POLICY)
         try:
-            body = SpeechRequest(**message, input="-", response_format="pcm")
+            body = SpeechRequest(**{"response_format": "pcm", **message, "input": "-"})
         except ValidationError as error:
             raise StreamError(validation_error(error), CLOSE_POLICY) from None
+        if body.response_format not in SESSION_ENCODINGS:
+            raise StreamError(APIError(400, f"a session's response_format is one of {list(SESSION_ENCODINGS)}, got "
+                                       f"{body.response_format!r}", "response_format", "unsupported_format"),
+                              CLOSE_POLICY)
+        check_response_format(body.response_format, "audio", True)  # installed encoders (APIError: closes 1008)
         first = await self.make_job(body)  # checks model, voice, references and settings before any text
         body.seed, self.references = first.seed, first.references
-        await self.send({"type": "session.created", "sample_rate": self.sampling_rate, "encoding": "pcm_s16le",
-                         "seed": first.seed})
+        rate = file_sampling_rate(f"audio.{body.response_format}", self.sampling_rate)  # Opus: 48 kHz
+        await self.send({"type": "session.created", "sample_rate": rate, "response_format": body.response_format,
+                         "encoding": SESSION_ENCODINGS[body.response_format], "seed": first.seed})
         return body
 
     async def read(self) -> None:
@@ -209,17 +220,27 @@ class SpeechStreamSession:
         self.submit(job)
         await self.send({"type": "utterance.started", "index": index, "text": " ".join(chunks),
                          "request_id": job.request_id})
+        encoder = self.encoder(body)
         while True:
             event = await job.events.get()
             if isinstance(event, APIError):
                 raise StreamError(event, CLOSE_ERROR if event.status >= 500 else CLOSE_POLICY)
             if isinstance(event, JobDone):
                 break
-            await self.websocket.send_bytes(pcm16(event))
+            data = encoder.encode(event)
+            if data:
+                await self.websocket.send_bytes(data)
+        rest = encoder.finish()  # the end of this utterance's stream
+        if rest:
+            await self.websocket.send_bytes(rest)
         await asyncio.to_thread(job.settled.wait)  # its codes are recorded once the worker has finished it
         self.references, self.spoken, self.codes, self.job = job.references, job.spoken, job.codes, None
         await self.send({"type": "utterance.done", "index": index, "frames": event.frames,
                          "finish_reasons": job.finish_reasons})
+
+    def encoder(self, body: SpeechRequest):
+        """A new streaming encoder of the session's format, for one utterance."""
+        return response_encoder(body.response_format, self.sampling_rate, streamed=True)
 
     async def send(self, message: dict) -> None:
         await self.websocket.send_text(json.dumps(message))

@@ -164,18 +164,22 @@ class GenerationWorker:
         """Start the generation thread."""
         self.thread.start()
 
-    def submit(self, job: SpeechJob) -> None:
-        """Queue `job`; 429 when `max_queue` requests are already waiting for their first frame."""
+    def submit(self, *jobs: SpeechJob) -> None:
+        """Queue `jobs` (a batch's items) all together, or none of them: 429 when they would take the number of
+        requests waiting for their first frame past `max_queue` (a caller refuses more than `max_queue` jobs at once
+        up front: they could never be queued)."""
         with self.lock:
             waiting = len(self.pending)
-            if waiting >= self.max_queue:
-                self.metrics.rejected += 1
-                raise APIError(429, f"the server is busy: {waiting} requests are waiting (--max-queue "
-                               f"{self.max_queue}); retry later", code="queue_full", headers={"Retry-After": "1"})
-            self.metrics.requests += 1
-            job.engine = self.engine
-            self.jobs[job.request_id] = job
-            self.tasks.append(lambda: self.prepare(job))
+            if waiting + len(jobs) > self.max_queue:
+                self.metrics.rejected += len(jobs)
+                raise APIError(429, f"the server is busy: {waiting} requests are waiting and {len(jobs)} more would "
+                               f"pass --max-queue {self.max_queue}; retry later", code="queue_full",
+                               headers={"Retry-After": "1"})
+            for job in jobs:
+                self.metrics.requests += 1
+                job.engine = self.engine
+                self.jobs[job.request_id] = job
+                self.tasks.append(lambda job=job: self.prepare(job))
             self.lock.notify_all()
 
     async def call(self, function):

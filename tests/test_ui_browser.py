@@ -3,7 +3,8 @@
 One server process (on loopback, as a user starts it) and one browser serve the module. The browser resolves no
 host but 127.0.0.1, so a page that needed a CDN font or script would show it here. Where Chromium, its driver or
 Selenium is missing the module skips in one line; CI installs Debian's `chromium` and `chromium-driver` (.ci/run).
-`DRAMA3_UI_SCREENSHOT=docs/ui.png` also writes the page after a take there (the picture in docs/serving.md).
+Marked `browser`: the README's test command leaves them out and .ci/run runs them as a stage of their own
+(`python -m pytest -m browser tests/test_ui_browser.py`). `DRAMA3_UI_SCREENSHOT=docs/ui.png` also writes the page after a take there (the picture in docs/serving.md).
 """
 
 import os
@@ -32,6 +33,7 @@ from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 
+pytestmark = pytest.mark.browser  # a stage of its own in .ci/run (about 2 minutes on 2 busy cores)
 MODEL = "drama3-tiny"
 TIMEOUT = 120  # seconds for one wait: a busy 2-core CI machine makes ~10 tiny frames a second
 FRAMES = 12  # frames per take: enough to hear, short to make
@@ -286,6 +288,11 @@ def test_the_copied_curl_command_returns_the_pages_take(browser, server, downloa
 
 def test_a_page_left_open_recovers_after_the_server_restarts(browser, server):
     browser.open()
+    browser.driver.execute_script("window.leftOpen = true")
     server.stop()
     server.start()
+    # Gradio's page sees its server back and reloads itself (what was typed is lost; the voices and the server's
+    # state are not): then it speaks again with nobody touching it.
+    browser.wait(lambda: browser.driver.execute_script("return window.leftOpen") is None
+                 and "quantisation" in browser.text("status"), "the page to reload itself")
     browser.speak_take(1, "I am back.", seed=5)

@@ -156,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drama3-serve: error: {error}", file=sys.stderr)
         return 1
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    server = DrainingServer(config, drain_seconds=args.drain_seconds)
+    server_class = DrainingServer
+    if args.ui:
+        from .ui import PageServer as server_class
+    server = server_class(config, drain_seconds=args.drain_seconds)
     if args.ui:
         print(f"drama3-serve: open http://{args.host}:{args.port}/ in a browser for the playground", file=sys.stderr)
     try:

@@ -22,8 +22,10 @@ import shutil
 import gradio as gr
 import pydantic
 from fastapi.responses import HTMLResponse
+from gradio.routes import App
 
 from ..audio_io import AudioEncoder
+from .draining import DrainingServer
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
 from .ui_takes import MAX_TAKES, Playground, Speaking
@@ -284,7 +286,24 @@ def mount_page(app, path: str = PATH):
         return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="0; url={path}/">'
                             f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
 
-    return gr.mount_gradio_app(app, build_page(app, playground), path=path, theme=theme(),
+    app.state.page = build_page(app, playground)
+    return gr.mount_gradio_app(app, app.state.page, path=path, theme=theme(),
                                auth=knows_key if key is not None else None,
                                allowed_paths=[str(playground.takes_dir)], footer_links=["api"],
                                max_file_size=settings.max_body_bytes)
+
+
+class PageServer(DrainingServer):
+    """`DrainingServer` for an app with the page: its shutdown first closes the page, which ends the streams an open
+    page holds (Gradio's heartbeat and queue streams never end on their own, and uvicorn waits for every
+    connection to close)."""
+
+    def __init__(self, config, drain_seconds: float):
+        super().__init__(config, drain_seconds)
+        self.page = config.app.state.page
+        self.page_app = next(route.app for route in config.app.routes if isinstance(getattr(route, "app", None), App))
+
+    async def shutdown(self, sockets=None) -> None:
+        self.page.close(verbose=False)  # ends the queue streams (within their 10 s poll)
+        self.page_app.stop_event.set()  # ends the heartbeats of the app that serves the page
+        await super().shutdown(sockets)

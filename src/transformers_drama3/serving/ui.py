@@ -258,7 +258,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
         reset.click(show_defaults, outputs=[*setting_inputs, ras])
         speaking = speak.click(speak_take, [text, voice, *setting_inputs, history],
-                               [player, take_info, history, takes], concurrency_limit=None)
+                               [player, take_info, history, takes], concurrency_limit=None,
+                               show_progress="hidden")  # the page's own line says how far it got
         stop.click(stopped, outputs=take_info, cancels=[speaking])
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python])
         reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs])

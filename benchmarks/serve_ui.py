@@ -8,6 +8,7 @@
   benchmarks/serve_load.py sends it (streamed pcm: sent until the first audio byte), alternated on one server.
 
     python benchmarks/serve_ui.py --repeats 5 --takes 7
+    git archive main src | tar -x -C /tmp/before && python benchmarks/serve_ui.py --before /tmp/before/src
 """
 
 from __future__ import annotations
@@ -36,13 +37,15 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start(ui: bool) -> tuple[subprocess.Popen, str, float]:
-    """A `drama3-serve --tiny` process, its URL, and the seconds until it was ready."""
+def start(ui: bool, src: str | None = None) -> tuple[subprocess.Popen, str, float]:
+    """A `drama3-serve --tiny` process (of the source tree `src`: default, this interpreter's), its URL, and the
+    seconds until it was ready."""
     port = free_port()
     command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--port", str(port),
                "--log-level", "warning", *(["--ui"] if ui else [])]
     began = time.perf_counter()
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, "PYTHONPATH": src} if src else None
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -64,17 +67,20 @@ def stop(process: subprocess.Popen) -> None:
     process.wait(timeout=60)
 
 
-def startup(repeats: int) -> dict:
-    rows = {False: [], True: []}
+def startup(repeats: int, before: str | None) -> dict:
+    """Ready time and RSS, medians: this tree without and with --ui (and `before`'s tree without it), interleaved."""
+    kinds = {"without --ui": (False, None), "with --ui": (True, None)}
+    if before:
+        kinds["before, no --ui"] = (False, before)
+    rows = {name: [] for name in kinds}
     for _ in range(repeats):
-        for ui in (False, True):
-            process, _, seconds = start(ui)
+        for name, (ui, src) in kinds.items():
+            process, _, seconds = start(ui, src)
             time.sleep(1)  # let the first requests' allocations settle
-            rows[ui].append((seconds, rss_mb(process)))
+            rows[name].append((seconds, rss_mb(process)))
             stop(process)
-    return {("with --ui" if ui else "without --ui"): {"ready_s": statistics.median(r[0] for r in runs),
-                                                       "rss_mb": statistics.median(r[1] for r in runs)}
-            for ui, runs in rows.items()}
+    return {name: {"ready_s": statistics.median(r[0] for r in runs), "rss_mb": statistics.median(r[1] for r in runs)}
+            for name, runs in rows.items()}
 
 
 def http_first_audio(url: str) -> float:
@@ -129,11 +135,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--takes", type=int, default=7)
+    parser.add_argument("--before", help="another source tree's src/ (e.g. from git archive), measured without --ui")
     args = parser.parse_args()
     print(f"{datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
           f"{os.cpu_count()} CPUs")
-    for name, row in startup(args.repeats).items() if args.repeats else ():
-        print(f"{name:>13}: ready after {row['ready_s']:.2f} s, RSS {row['rss_mb']:.0f} MB (median of {args.repeats})")
+    for name, row in startup(args.repeats, args.before).items() if args.repeats else ():
+        print(f"{name:>15}: ready after {row['ready_s']:.2f} s, RSS {row['rss_mb']:.0f} MB (median of {args.repeats})")
+    if not args.takes:
+        return
     row = first_audio(args.takes)
     print(f"first audio (median of {row['takes']}): shown on the page {row['page_shown_s'] * 1000:.0f} ms, "
           f"click to playing {row['page_click_to_playing_s'] * 1000:.0f} ms, over HTTP "

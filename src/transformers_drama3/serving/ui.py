@@ -6,8 +6,8 @@
 HTTP call to itself); `mount_page(app)` mounts it and links it from `/`. examples/space_app.py runs the same page as
 a Hugging Face Space. Imported only with `--ui`: a server without it never loads Gradio.
 
-Offline: the theme names the system's fonts (Gradio's default theme fetches Google Fonts) and Gradio's analytics are
-off, so the page loads nothing from outside the server. Streamed playback needs `ffmpeg` on the server's PATH
+Offline: Gradio 6 serves its scripts and its theme's fonts itself, and its analytics are off here, so the page loads
+nothing from outside the server (the browser tests check it). Streamed playback needs `ffmpeg` on the server's PATH
 (Gradio encodes streamed audio to AAC with it); without it the page plays each take when it is complete.
 """
 
@@ -38,7 +38,6 @@ STATUS_SECONDS = 2.0  # how often the status line is read
 SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")  # the page's settings sent with a request
 RAS = ("ras_window", "ras_temperature", "ras_top_k", "ras_top_p")  # shown, fixed by the model
 PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers (2**53), short to copy
-SYSTEM_FONTS = ["ui-sans-serif", "system-ui", "sans-serif"]  # no web font: nothing to download
 EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
 
 
@@ -266,11 +265,6 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
     return page
 
 
-def theme() -> gr.themes.Base:
-    """Gradio's default look with the system's fonts (its default ones come from Google Fonts)."""
-    return gr.themes.Default(font=SYSTEM_FONTS, font_mono=["ui-monospace", "monospace"])
-
-
 def mount_page(app, path: str = PATH):
     """Mount the playground on the server's FastAPI `app` at `path` and link it from `/`; returns the app. With an
     API key, the page asks for it (as the password; any user name)."""
@@ -288,7 +282,7 @@ def mount_page(app, path: str = PATH):
                             f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
 
     app.state.page = build_page(app, playground)
-    return gr.mount_gradio_app(app, app.state.page, path=path, theme=theme(),
+    return gr.mount_gradio_app(app, app.state.page, path=path,
                                auth=knows_key if key is not None else None,
                                allowed_paths=[str(playground.takes_dir)], footer_links=["api"],
                                max_file_size=settings.max_body_bytes)

@@ -4,7 +4,8 @@ One server process (on loopback, as a user starts it) and one browser serve the 
 host but 127.0.0.1, so a page that needed a CDN font or script would show it here. Where Chromium, its driver or
 Selenium is missing the module skips in one line; CI installs Debian's `chromium` and `chromium-driver` (.ci/run).
 Marked `browser`: the README's test command leaves them out and .ci/run runs them as a stage of their own
-(`python -m pytest -m browser tests/test_ui_browser.py`). `DRAMA3_UI_SCREENSHOT=docs/ui.png` also writes the page after a take there (the picture in docs/serving.md).
+(`python -m pytest -m browser tests/test_ui_browser.py`). `DRAMA3_UI_SCREENSHOT=docs/ui.png` also writes the page
+after a take there (the picture in docs/serving.md).
 """
 
 import os
@@ -154,7 +155,8 @@ class Page:
             if result:
                 return result
             time.sleep(0.1)
-        raise AssertionError(f"waited {timeout} s for {what}; the page says: {self.driver.find_element(By.TAG_NAME, 'body').text[:2000]}")
+        shown = self.driver.find_element(By.TAG_NAME, "body").text[:2000]
+        raise AssertionError(f"waited {timeout} s for {what}; the page says: {shown}")
 
     def take(self, number: int) -> str:
         """Wait for take `number` and return its line (time to first audio, real-time factor)."""
@@ -227,8 +229,8 @@ def test_enrol_a_voice_from_a_wav_file_and_speak_with_it(browser, server, tmp_pa
     browser.fill("new-name", "tester")
     browser.driver.find_element(By.CSS_SELECTOR, "#recording input[type=file]").send_keys(str(recording))
     browser.fill("transcript", "A short test recording.")
-    browser.wait(lambda: browser.driver.find_elements(By.CSS_SELECTOR, "#recording audio, #recording .waveform-container"),
-                 "the uploaded recording")
+    uploaded = "#recording audio, #recording .waveform-container"
+    browser.wait(lambda: browser.driver.find_elements(By.CSS_SELECTOR, uploaded), "the uploaded recording")
     browser.click("enrol")
     browser.wait(lambda: "Enrolled tester" in browser.text("voice-info"), "the enrolment")
     assert [voice["id"] for voice in httpx.get(f"{server.url}/v1/voices").json()["data"]] == ["default", "tester"]

@@ -113,7 +113,8 @@ def page_mounted(app):
     try:
         from .ui import mount_page
     except ImportError as error:
-        raise ValueError(f"--ui needs {error.name}: install it with 'pip install \"transformers-drama3[ui]\"'") from None
+        raise ValueError(f"--ui needs {error.name}: install it with "
+                         "'pip install \"transformers-drama3[ui]\"'") from None
     return mount_page(app)
 
 

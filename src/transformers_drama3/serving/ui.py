@@ -13,7 +13,6 @@ nothing from outside the server (the browser tests check it). Streamed playback 
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -80,7 +79,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             with gr.Column(scale=3):
                 text = gr.Textbox(EXAMPLE, label="Text (<|speaker:N|> switches speakers)", lines=4, elem_id="text")
                 with gr.Row():
-                    speaker = gr.Dropdown(SPEAKERS, value="0", label="Speaker", scale=1, min_width=80, elem_id="speaker")
+                    speaker = gr.Dropdown(SPEAKERS, value="0", label="Speaker", scale=1, min_width=80,
+                                          elem_id="speaker")
                     line = gr.Textbox(label="Line", placeholder="What the speaker says", scale=4, elem_id="line")
                     add_line = gr.Button("Add line", scale=1, elem_id="add-line")
                 preview = gr.Markdown(elem_id="preview")
@@ -227,9 +227,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                         yield {player: wav_chunk(chunk, rate), take_info: "Speaking… first audio after "
                                f"{speaking.first_audio_s * 1000:.0f} ms"}
                 take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
-            except (asyncio.CancelledError, GeneratorExit):
-                raise
-            except Exception as error:  # noqa: BLE001  (shown on the page)
+            except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
                 raise user_error(error) from None
             kept = [*takes_so_far, take]
             for old in kept[:-MAX_TAKES]:

@@ -120,16 +120,10 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     metrics = ServerMetrics(lambda: None if app.state.service is None else app.state.service.worker, settings.max_batch)
     app.add_middleware(CountRequests, metrics=metrics, routes=lambda: {route.path for route in app.routes})
 
+    app.state.settings, app.state.voices, app.state.metrics = settings, voices, metrics  # for the page (ui.py)
+
     def ready() -> SpeechService:
-        if app.state.draining:
-            raise APIError(503, "the server is shutting down: send the request to another replica or retry later",
-                           code="draining", headers={"Retry-After": "5"})
-        if app.state.service is None:
-            if app.state.load_error:
-                raise APIError(503, f"the model failed to load: {app.state.load_error}", code="model_unavailable")
-            raise APIError(503, "the model is still loading; GET /health answers 200 when it is ready",
-                           code="model_loading", headers={"Retry-After": "5"})
-        return app.state.service
+        return ready_service(app)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -183,18 +177,8 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if upload is None or isinstance(upload, str):
             raise APIError(400, "missing file field 'audio': upload the recording (WAV, FLAC, OGG or MP3)", "audio",
                            "missing_parameter")
-        voices.check_new_name(name, replace=replacing is not None)
-        checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
-        data = await upload.read()
-        samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
-
-        def encode():
-            return service.processor.create_voice(transcript, samples, rate, name=name)
-
-        # The generation thread encodes it, between two frames: the model is used by one thread at a time.
-        voice = await service.worker.call(encode)
-        replaced = await asyncio.to_thread(voices.save, name, voice, replacing is not None)
-        logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
+        replaced = await enrol_recording(service, voices, settings, name, transcript, upload.read,
+                                         replacing is not None)
         return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
 
     @app.get("/metrics")
@@ -273,6 +257,38 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         await session.run()
 
     return app
+
+
+def ready_service(app: FastAPI) -> SpeechService:
+    """The loaded `SpeechService`, or the 503 that says why there is none (draining, loading, failed to load)."""
+    if app.state.draining:
+        raise APIError(503, "the server is shutting down: send the request to another replica or retry later",
+                       code="draining", headers={"Retry-After": "5"})
+    if app.state.service is None:
+        if app.state.load_error:
+            raise APIError(503, f"the model failed to load: {app.state.load_error}", code="model_unavailable")
+        raise APIError(503, "the model is still loading; GET /health answers 200 when it is ready",
+                       code="model_loading", headers={"Retry-After": "5"})
+    return app.state.service
+
+
+async def enrol_recording(service: SpeechService, voices: VoiceLibrary, settings: ServerSettings, name: str,
+                          transcript: str, read_recording, replace: bool) -> bool:
+    """Check a name and transcript, then read (`await read_recording()`: the file's bytes), length-check, encode and
+    save a recording as voice `name`. True if it replaced a voice."""
+    voices.check_new_name(name, replace=replace)
+    checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
+    data = await read_recording()
+    samples, rate = await asyncio.to_thread(read_audio_bytes, data, "audio", settings.max_reference_seconds)
+
+    def encode():
+        return service.processor.create_voice(transcript, samples, rate, name=name)
+
+    # The generation thread encodes it, between two frames: the model is used by one thread at a time.
+    voice = await service.worker.call(encode)
+    replaced = await asyncio.to_thread(voices.save, name, voice, replace)
+    logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
+    return replaced
 
 
 def start_draining(app: FastAPI) -> None:
@@ -524,4 +540,5 @@ class RequestGuard:
         return None
 
 
-__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "start_draining"]
+__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
+           "start_draining"]

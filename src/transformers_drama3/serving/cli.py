@@ -1,6 +1,6 @@
 """`drama3-serve`: an OpenAI-compatible speech server for Drama 3 (FastAPI + uvicorn).
 
-    drama3-serve --tiny
+    drama3-serve --tiny --ui          # then open http://127.0.0.1:8000/ in a browser
     drama3-serve --model fishaudio/drama-3 --host 0.0.0.0 --port 8000 --voices voices/ --max-batch 16
 
 The server starts at once and loads the model in the background (`GET /health` is 503 until it is ready); if the
@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--voice-alias", action="append", default=[], metavar="NAME=VOICE",
                         help="speak OpenAI's voice NAME (alloy, echo, nova, ...) with the saved VOICE; repeatable. "
                         "OpenAI names without an alias speak with 'default'")
+    parser.add_argument("--ui", action="store_true",
+                        help="serve the playground page at /ui (linked from /): speak, clone a voice, copy the request "
+                        "as code; needs the ui extra (pip install \"transformers-drama3[ui]\")")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
                         help=f"require 'Authorization: Bearer KEY' on /v1 and /metrics (default: ${API_KEY_VARIABLE}, "
                         "which keeps the key out of the process list; no key: open to anyone who can connect)")
@@ -105,6 +108,16 @@ def voice_alias(text: str) -> tuple[str, str]:
     return name.strip(), voice.strip()
 
 
+def page_mounted(app):
+    """`app` with the playground page (Gradio is imported here, only with --ui)."""
+    try:
+        from .ui import mount_page
+    except ImportError as error:
+        raise ValueError(f"--ui needs {error.name}: install it with "
+                         "'pip install \"transformers-drama3[ui]\"'") from None
+    return mount_page(app)
+
+
 def main(argv: list[str] | None = None) -> int:
     default_threads_wait_passively()  # before torch loads (docs/serving.md, "Threads")
     args = build_parser().parse_args(argv)
@@ -138,11 +151,18 @@ def main(argv: list[str] | None = None) -> int:
             server.should_exit = True
 
         app = create_app(settings, on_load_failure=stop)
+        if args.ui:
+            app = page_mounted(app)
     except (OSError, ValueError) as error:
         print(f"drama3-serve: error: {error}", file=sys.stderr)
         return 1
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
-    server = DrainingServer(config, drain_seconds=args.drain_seconds)
+    server_class = DrainingServer
+    if args.ui:
+        from .ui import PageServer as server_class
+    server = server_class(config, drain_seconds=args.drain_seconds)
+    if args.ui:
+        print(f"drama3-serve: open http://{args.host}:{args.port}/ in a browser for the playground", file=sys.stderr)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl+C

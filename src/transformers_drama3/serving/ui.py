@@ -1,0 +1,302 @@
+"""The playground page of `drama3-serve --ui`: a Gradio Blocks app mounted at `/ui` on the server's FastAPI app.
+
+    drama3-serve --tiny --ui          # then open http://127.0.0.1:8000/ (it links to /ui)
+
+`build_page(app)` lays the page out and wires it to a `Playground` (ui_takes.py: the server's own functions, no
+HTTP call to itself); `mount_page(app)` mounts it and links it from `/`. examples/space_app.py runs the same page as
+a Hugging Face Space. Imported only with `--ui`: a server without it never loads Gradio.
+
+Offline: Gradio 6 serves its scripts and its theme's fonts itself, and its analytics are off here, so the page loads
+nothing from outside the server (the browser tests check it). Streamed playback needs `ffmpeg` on the server's PATH
+(Gradio encodes streamed audio to AAC with it); without it the page plays each take when it is complete.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+
+import gradio as gr
+import pydantic
+from fastapi.responses import HTMLResponse
+from gradio.routes import App
+
+from ..audio_io import AudioEncoder
+from .draining import DrainingServer
+from .errors import APIError
+from .ui_code import curl_command, openai_code, synthesize_code
+from .ui_takes import MAX_TAKES, Playground, Speaking
+
+logger = logging.getLogger("transformers_drama3.serving")
+
+PATH = "/ui"
+SPEAKERS = [str(n) for n in range(16)]
+STATUS_SECONDS = 2.0  # how often the status line is read
+SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")  # the page's settings sent with a request
+RAS = ("ras_window", "ras_temperature", "ras_top_k", "ras_top_p")  # shown, fixed by the model
+PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers (2**53), short to copy
+EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
+
+
+def user_error(error: Exception) -> gr.Error:
+    """A failure as the page shows it: the server's own message (an HTTP client reads the same), never a traceback."""
+    if isinstance(error, APIError):
+        return gr.Error(error.message, print_exception=False)
+    if isinstance(error, pydantic.ValidationError):
+        first = error.errors()[0]
+        return gr.Error(f"{'.'.join(map(str, first['loc']))}: {first['msg']}", print_exception=False)
+    logger.exception("the page failed")
+    return gr.Error("something went wrong on the server; its log has the details", print_exception=False)
+
+
+def base_url(request: gr.Request) -> str:
+    """Where the page's user reaches this server (for copied code)."""
+    scheme = request.headers.get("x-forwarded-proto") or request.request.url.scheme
+    return f"{scheme}://{request.headers['host']}"
+
+
+def wav_chunk(samples, rate: int) -> bytes:
+    """One streamed chunk as a complete 16-bit WAV: the form Gradio's streamed audio reads without ffmpeg's help."""
+    encoder = AudioEncoder("wav", rate, streamed=False)
+    return encoder.encode(samples) + encoder.finish()
+
+
+def build_page(app, playground: Playground | None = None) -> gr.Blocks:
+    """The playground's Blocks, on the server `app` (made by `create_app`)."""
+    playground = playground or Playground(app)
+    settings = app.state.settings
+    streaming = shutil.which("ffmpeg") is not None
+    defaults = playground.defaults()
+
+    with gr.Blocks(title="Drama 3 playground", analytics_enabled=False) as page:
+        history = gr.State([])  # the page's takes, newest last
+        gr.Markdown("## Drama 3 playground\nSpeak text, clone a voice, and copy the request as code. "
+                    "[API docs](../docs) · [metrics](../metrics)")
+        status = gr.Markdown("Reading the server's status…", elem_id="status")
+        with gr.Row():
+            with gr.Column(scale=3):
+                text = gr.Textbox(EXAMPLE, label="Text (<|speaker:N|> switches speakers)", lines=4, elem_id="text")
+                with gr.Row():
+                    speaker = gr.Dropdown(SPEAKERS, value="0", label="Speaker", scale=1, min_width=80,
+                                          elem_id="speaker")
+                    line = gr.Textbox(label="Line", placeholder="What the speaker says", scale=4, elem_id="line")
+                    add_line = gr.Button("Add line", scale=1, elem_id="add-line")
+                preview = gr.Markdown(elem_id="preview")
+                with gr.Row():
+                    speak = gr.Button("Speak", variant="primary", elem_id="speak")
+                    stop = gr.Button("Stop", variant="stop", elem_id="stop")
+                player = gr.Audio(label="Speech", streaming=streaming, autoplay=True, interactive=False,
+                                  elem_id="player")
+                take_info = gr.Markdown(elem_id="take-info")
+            with gr.Column(scale=2):
+                with gr.Accordion("Voice", open=True):
+                    voice = gr.Dropdown(playground.voice_names(), value="default", label="Voice", elem_id="voice",
+                                        allow_custom_value=False)
+                    with gr.Row():
+                        refresh = gr.Button("Refresh", size="sm")
+                        delete = gr.Button("Delete this voice", size="sm", variant="stop", elem_id="delete")
+                    with gr.Row(visible=False) as confirm_row:
+                        confirm_text = gr.Markdown()
+                        confirm = gr.Button("Yes, delete it", size="sm", variant="stop", elem_id="confirm-delete")
+                        keep = gr.Button("Cancel", size="sm")
+                    with gr.Accordion("Enrol a new voice", open=False, elem_id="enrol-accordion"):
+                        new_name = gr.Textbox(label="Name", placeholder="letters, digits, _ or -", elem_id="new-name")
+                        recording = gr.Audio(sources=["upload", "microphone"], type="filepath",
+                                             label=f"Recording (10-30 s works best; at most "
+                                             f"{settings.max_reference_seconds:g} s)", elem_id="recording")
+                        transcript = gr.Textbox(label="Transcript: what is said in the recording",
+                                                elem_id="transcript")
+                        enrol = gr.Button("Enrol", elem_id="enrol")
+                    voice_info = gr.Markdown(elem_id="voice-info")
+                with gr.Accordion("Settings", open=True):
+                    temperature = gr.Slider(0, 2, defaults["temperature"], step=0.05,
+                                            label="temperature (0: greedy)", elem_id="temperature")
+                    top_p = gr.Slider(0.01, 1, defaults["top_p"], step=0.01, label="top_p", elem_id="top_p")
+                    top_k = gr.Number(defaults["top_k"], precision=0, minimum=0, label="top_k (0: no limit)",
+                                      elem_id="top_k")
+                    seed = gr.Number(None, precision=0, minimum=0, label="seed (empty: a new one each take)",
+                                     elem_id="seed")
+                    max_frames = gr.Number(defaults["max_new_tokens"], precision=0, minimum=1,
+                                           maximum=settings.max_frames,
+                                           label="max frames per text chunk (21.5 frames = 1 s)", elem_id="max_frames")
+                    ras = gr.Markdown(elem_id="ras")
+                    reset = gr.Button("Reset to the model's defaults", size="sm", elem_id="reset")
+        with gr.Accordion("History of takes", open=True):
+            takes = gr.Dropdown([], label="Take", elem_id="takes")
+            take_audio = gr.Audio(label="Take", interactive=False, elem_id="take-audio")
+            with gr.Row():
+                downloads = [gr.DownloadButton(f"Download {name}", visible=False, size="sm", elem_id=f"download-{name}")
+                             for name in ("wav", "mp3", "flac")]
+                reuse = gr.Button("Use these settings again", size="sm", elem_id="reuse")
+            take_fields = gr.JSON(label="Request", elem_id="take-fields")
+        with gr.Accordion("Copy as code (reproduces the selected take)", open=True):
+            with gr.Tab("curl"):
+                curl = gr.Code(language="shell", elem_id="code-curl", interactive=False)
+            with gr.Tab("OpenAI SDK"):
+                openai_sdk = gr.Code(language="python", elem_id="code-openai", interactive=False)
+            with gr.Tab("Python (synthesize)"):
+                python = gr.Code(language="python", elem_id="code-python", interactive=False)
+        timer = gr.Timer(STATUS_SECONDS)
+        setting_inputs = [temperature, top_p, top_k, seed, max_frames]
+
+        def read_status() -> str:
+            state = playground.status()
+            if state["state"] != "ready":
+                detail = f": {state['error']}" if state.get("error") else " (the page works once it is ready)"
+                return f"**{state['model']}** · {state['state']}{detail}"
+            return (f"**{state['model']}** · {state['device']} · {state['dtype']} · quantisation "
+                    f"{state['quantization']} · queue {state['queued']} · running {state['running']} · batch "
+                    f"{state['occupancy']}")
+
+        def show_defaults():
+            values = playground.defaults()
+            ras_line = "RAS (fixed by the model): " + ", ".join(f"{name} {values[name]}" for name in RAS)
+            return (values["temperature"], values["top_p"], values["top_k"], None, values["max_new_tokens"], ras_line)
+
+        def show_preview(value: str) -> str:
+            try:
+                chunks = playground.preview(value)
+            except APIError as error:
+                return f"⚠️ {error.message}"
+            return f"The server will speak {len(chunks)} chunk(s): " + " ⏵ ".join(f"`{c}`" for c in chunks)
+
+        def append_line(current: str, number: str, words: str):
+            if not words.strip():
+                raise gr.Error("write the line first", print_exception=False)
+            joined = f"{current.rstrip()} <|speaker:{number}|> {words.strip()}".strip()
+            return joined, ""
+
+        def voice_choices(selected: str = "default"):
+            names = playground.voice_names()
+            return gr.update(choices=names, value=selected if selected in names else "default")
+
+        async def enrol_voice(name: str, audio_path: str | None, words: str):
+            try:
+                saved = await playground.enrol(name, words, audio_path)
+            except Exception as error:  # noqa: BLE001  (shown on the page)
+                raise user_error(error) from None
+            return voice_choices(saved), f"Enrolled **{saved}**: pick it above and speak.", "", None, ""
+
+        def ask_delete(name: str):
+            if name == "default":
+                raise gr.Error("'default' is no saved voice: there is nothing to delete", print_exception=False)
+            return gr.update(visible=True), f"Delete **{name}** for everyone using this server?"
+
+        async def delete_voice(name: str):
+            try:
+                await playground.delete(name)
+            except Exception as error:  # noqa: BLE001
+                raise user_error(error) from None
+            return voice_choices(), gr.update(visible=False), f"Deleted **{name}**."
+
+        def take_view(chosen, takes_so_far, request: gr.Request):
+            take = next((t for t in takes_so_far if t.label == chosen), None)
+            if take is None:
+                return (None, *[gr.update(visible=False)] * 3, None, "", "", "")
+            url = base_url(request)
+            buttons = [gr.update(value=str(take.files[name]), visible=True) if name in take.files else
+                       gr.update(visible=False) for name in ("wav", "mp3", "flac")]
+            return (str(take.files["wav"]), *buttons, take.fields,
+                    curl_command(url, take.fields, settings.api_key is not None),
+                    openai_code(url, take.fields, settings.api_key is not None),
+                    synthesize_code(str(settings.model), take.fields,
+                                    None if settings.voices_dir is None else str(settings.voices_dir),
+                                    settings.chunk_bytes))
+
+        def reuse_settings(chosen, takes_so_far):
+            take = next((t for t in takes_so_far if t.label == chosen), None)
+            if take is None:
+                raise gr.Error("pick a take first", print_exception=False)
+            fields, values = take.fields, playground.defaults()
+            return (take.fields["input"], take.fields["voice"], fields.get("temperature", values["temperature"]),
+                    fields.get("top_p", values["top_p"]), fields.get("top_k", values["top_k"]), fields["seed"],
+                    fields.get("max_new_tokens", values["max_new_tokens"]))
+
+        async def speak_take(words, voice_name, temp, p, k, seed_value, frames, takes_so_far):
+            values = {"temperature": temp, "top_p": p, "top_k": None if k is None else int(k),
+                      "seed": secrets.randbits(PAGE_SEED_BITS) if seed_value is None else int(seed_value),
+                      "max_new_tokens": None if frames is None else int(frames)}
+            fields = playground.request_fields(words, voice_name, values)
+            speaking = Speaking()
+            try:
+                rate = playground.service().model.config.sampling_rate
+                async for chunk in playground.speak(fields, speaking):
+                    if streaming:
+                        yield {player: wav_chunk(chunk, rate), take_info: "Speaking… first audio after "
+                               f"{speaking.first_audio_s * 1000:.0f} ms"}
+                take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
+            except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
+                raise user_error(error) from None
+            kept = [*takes_so_far, take]
+            for old in kept[:-MAX_TAKES]:
+                playground.forget(old)
+            kept = kept[-MAX_TAKES:]
+            finished = {take_info: take.summary(), history: kept,
+                        takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
+            if not streaming:
+                finished[player] = str(take.files["wav"])
+            yield finished
+
+        def stopped() -> str:
+            return "Stopped: the server cancelled the request."
+
+        page.load(show_defaults, outputs=[*setting_inputs, ras]).then(show_preview, text, preview)
+        timer.tick(read_status, outputs=status)
+        page.load(read_status, outputs=status)
+        text.change(show_preview, text, preview, show_progress="hidden")
+        add_line.click(append_line, [text, speaker, line], [text, line])
+        refresh.click(voice_choices, voice, voice)
+        enrol.click(enrol_voice, [new_name, recording, transcript],
+                    [voice, voice_info, new_name, recording, transcript])
+        delete.click(ask_delete, voice, [confirm_row, confirm_text])
+        keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
+        confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
+        reset.click(show_defaults, outputs=[*setting_inputs, ras])
+        speaking = speak.click(speak_take, [text, voice, *setting_inputs, history],
+                               [player, take_info, history, takes], concurrency_limit=None,
+                               show_progress="hidden")  # the page's own line says how far it got
+        stop.click(stopped, outputs=take_info, cancels=[speaking])
+        takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python])
+        reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs])
+    return page
+
+
+def mount_page(app, path: str = PATH):
+    """Mount the playground on the server's FastAPI `app` at `path` and link it from `/`; returns the app. With an
+    API key, the page asks for it (as the password; any user name)."""
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+    settings = app.state.settings
+    playground = Playground(app)
+    key = settings.api_key
+
+    def knows_key(username: str, password: str) -> bool:
+        return secrets.compare_digest(password.encode(), key.encode())
+
+    @app.get("/", include_in_schema=False)
+    async def home() -> HTMLResponse:
+        return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="0; url={path}/">'
+                            f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
+
+    app.state.page = build_page(app, playground)
+    return gr.mount_gradio_app(app, app.state.page, path=path,
+                               auth=knows_key if key is not None else None,
+                               allowed_paths=[str(playground.takes_dir)], footer_links=["api"],
+                               max_file_size=settings.max_body_bytes)
+
+
+class PageServer(DrainingServer):
+    """`DrainingServer` for an app with the page: its shutdown first closes the page, which ends the streams an open
+    page holds (Gradio's heartbeat and queue streams never end on their own, and uvicorn waits for every
+    connection to close)."""
+
+    def __init__(self, config, drain_seconds: float):
+        super().__init__(config, drain_seconds)
+        self.page = config.app.state.page
+        self.page_app = next(route.app for route in config.app.routes if isinstance(getattr(route, "app", None), App))
+
+    async def shutdown(self, sockets=None) -> None:
+        self.page.close(verbose=False)  # ends the queue streams (within their 10 s poll)
+        self.page_app.stop_event.set()  # ends the heartbeats of the app that serves the page
+        await super().shutdown(sockets)

@@ -34,7 +34,14 @@ import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
-from .cli_output import STDOUT, STDOUT_FORMATS, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
+from .cli_output import (
+    STDOUT,
+    STDOUT_FORMATS,
+    ReaderGone,
+    stdout_is_pipe,
+    stdout_is_terminal,
+    stream_to_outputs,
+)
 from .loading import (
     is_kernel_fallback,
     load_model,
@@ -292,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
                 parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if args.manifest is not None else None)
                 notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
+    except ReaderGone:  # `-o - | head`: the reader has what it wanted
+        return 0
     except KeyboardInterrupt:
         print("drama3-tts: interrupted", file=sys.stderr)
         return INTERRUPTED

@@ -116,6 +116,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
     app.state.draining = False  # set by `start_draining` (SIGTERM): new requests get 503, running ones finish
+    app.state.sessions = set()  # the open WebSocket sessions, told by `start_draining`
     metrics = ServerMetrics(lambda: None if app.state.service is None else app.state.service.worker, settings.max_batch)
     app.add_middleware(CountRequests, metrics=metrics, routes=lambda: {route.path for route in app.routes})
 
@@ -256,21 +257,28 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         rate = service.model.config.sampling_rate if service is not None else 0
         session = SpeechStreamSession(websocket, new_job, submit, lambda: app.state.draining, settings.max_text_chars,
                                       rate)
-        await session.run()
+        app.state.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            app.state.sessions.discard(session)
 
     return app
 
 
 def start_draining(app: FastAPI) -> None:
-    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on."""
+    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on; each
+    WebSocket session finishes its utterance and closes (any thread, a signal handler too)."""
     app.state.draining = True
+    for session in list(app.state.sessions):
+        session.drain()
     logger.info("draining: new requests are refused, running requests finish")
 
 
 def drained(app: FastAPI) -> bool:
-    """Whether a draining server has no request left waiting or running."""
+    """Whether a draining server has no request left waiting or running and no WebSocket session open."""
     service = app.state.service
-    return service is None or service.worker.idle
+    return not app.state.sessions and (service is None or service.worker.idle)
 
 
 async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request,

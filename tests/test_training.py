@@ -60,7 +60,7 @@ BAD_CLIPS = {  # name -> a word its reason must contain
     "long.wav": "too long",
     "untitled.wav": "no transcript",
     "blank.wav": "transcript missing",
-    "control.wav": "control token",
+    "control.wav": "control token '<|im_end|>' (at character 4)",  # where it is in the transcript file
 }
 MAX_SECONDS = 1.0
 

@@ -195,7 +195,9 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         voice = await service.worker.call(encode)
         replaced = await asyncio.to_thread(voices.save, name, voice, replacing is not None)
         logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
-        return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
+        notes = service.processor.conversion_notes(samples.shape[0], rate, "audio")  # logged by the processor too
+        return JSONResponse({**voices.describe(name), **({"warnings": notes} if notes else {})},
+                            status_code=200 if replaced else 201)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -568,6 +568,15 @@ def test_drama3_serve_command(tmp_path):
                    "--max-frames", "8", "--fast-decode"]
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         try:
+            # It listens before its imports: the first connection is accepted before the app has started.
+            deadline = time.monotonic() + TIMEOUT
+            while process.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT).close()
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.01)
+            assert "Application startup complete" not in log.read_text()
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT
             while time.monotonic() < deadline and process.poll() is None:

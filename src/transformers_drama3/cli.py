@@ -30,18 +30,10 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
-from .cli_output import (
-    STDOUT,
-    STDOUT_FORMATS,
-    ReaderGone,
-    stdout_is_pipe,
-    stdout_is_terminal,
-    stream_to_outputs,
-)
+from .cli_output import STDOUT, STDOUT_FORMATS, ReaderGone, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 from .loading import (
     is_kernel_fallback,
     load_model,
@@ -50,25 +42,15 @@ from .loading import (
     resolve_device_and_dtype,
     under_torchrun,
 )
+from .stop_signals import Stopped, stop_signals_raise
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # main-token sampling, meaningless with --greedy
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # what process managers and closing terminals send
 
 
 class CommandError(Exception):
     """A failure reported as one line on stderr with exit status 1."""
-
-
-class Stopped(BaseException):
-    """The process got a stop signal (SIGTERM, SIGHUP): unwind like Ctrl-C, so temporary files are removed.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(signal_number)
-        self.signal_number = signal_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -289,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_usage(parser, args)
     try:
-        with _stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
+        with stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
             flags = check_generation_flags(parser, args)
             if under_torchrun():
                 from . import parallel
@@ -318,28 +300,6 @@ def _reported_errors() -> tuple[type[BaseException], ...]:
     torch has been imported at all)."""
     torch = sys.modules.get("torch")
     return (CommandError, OSError, ValueError) + ((torch.OutOfMemoryError,) if torch is not None else ())
-
-
-@contextlib.contextmanager
-def _stop_signals_raise():
-    """While running, SIGTERM and SIGHUP raise `Stopped` in the main thread (their default is to end the process at
-    once, leaving temporary files behind); a repeated signal is ignored while the first one unwinds."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
-        yield
-        return
-    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
-
-    def stop(number, frame):
-        for each in numbers:
-            signal.signal(each, signal.SIG_IGN)
-        raise Stopped(number)
-
-    previous = {number: signal.signal(number, stop) for number in numbers}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 class _Notes(logging.Handler):

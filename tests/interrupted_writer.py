@@ -9,7 +9,9 @@ input before each round; end of input ends it.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +24,7 @@ RATE = 44100
 
 
 def main(directory: str, suffixes: list[str]) -> None:
+    faulthandler.register(signal.SIGUSR1)  # the parent asks for the stack when an answer does not come
     folder = Path(directory)
     audio = (0.3 * np.sin(np.arange(3 * RATE) * 0.05)).astype(np.float32)  # 3 s: a write of a few tens of ms
     complete = {}
@@ -33,8 +36,8 @@ def main(directory: str, suffixes: list[str]) -> None:
         suffix = line.strip()
         target = folder / f"speech{suffix}"
         target.unlink(missing_ok=True)
-        print(f"writing {suffix} {complete[f'{suffix} seconds']:.4f}", flush=True)
-        try:
+        try:  # the announcement inside: the parent's signal may come as soon as it has read it
+            print(f"writing {suffix} {complete[f'{suffix} seconds']:.4f}", flush=True)
             while True:
                 write_audio(target, audio, RATE)
         except KeyboardInterrupt:

@@ -217,7 +217,7 @@ def test_a_closed_pipe_ends_quietly(tmp_path, capsys, monkeypatch):
         monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(os.fdopen(write_end, "wb")))
 
     common = [*MODEL, "Hello there.", "--seed", "0", "--quiet"]
-    long_text = [*MODEL, "One sentence here. " * 8, "--chunk-bytes", "40", "--seed", "0", "--quiet", "-o", "-"]
+    long_text = [*MODEL, "One sentence here. " * 4, "--chunk-bytes", "40", "--seed", "0", "--quiet", "-o", "-"]
     assert _stdout_bytes(capsys, monkeypatch, *long_text, "--max-new-tokens", "8")
     everything, puts[:] = len(puts), []
     closed_pipe()

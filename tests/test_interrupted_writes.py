@@ -20,14 +20,18 @@ from pathlib import Path
 
 from .conftest import default_sigint
 
-ROUNDS = int(os.environ.get("DRAMA3_INTERRUPT_ROUNDS", "6"))
+ROUNDS = int(os.environ.get("DRAMA3_INTERRUPT_ROUNDS", "3"))
 SUFFIXES = [".wav", ".flac", ".ogg", ".mp3", ".opus", ".pcm"]
 
 
 def _line(child, seconds: float = 60) -> str:
     """The child's next line (it writes one at a time, then waits), or a failure if none comes: a lost interrupt
     leaves the child writing forever."""
-    assert select.select([child.stdout], [], [], seconds)[0], "no answer: the interrupt was lost"
+    if not select.select([child.stdout], [], [], seconds)[0]:
+        child.send_signal(signal.SIGUSR1)  # its stack, to stderr (faulthandler)
+        time.sleep(1)
+        child.kill()
+        raise AssertionError(f"no answer: the interrupt was lost; the child was at:\n{child.stderr.read()}")
     return child.stdout.readline().strip()
 
 

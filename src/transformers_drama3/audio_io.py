@@ -196,10 +196,18 @@ class AudioFileWriter:
         rate = output_rate or file_sampling_rate(path, sampling_rate)
         self.file, self.ogg = file, file_format == "OGG" and ogg_serial
         self.resampler = None if rate == sampling_rate else resample_stream(sampling_rate, rate, channels)
-        with interrupts_held():
-            self.sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
-                                               endian="LITTLE" if file_format == "RAW" else "FILE")
         self.pending = np.zeros((0,) if channels == 1 else (0, channels), dtype=np.float32)  # < WRITE_BLOCK samples
+        sound = None
+        try:
+            with interrupts_held():
+                sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
+                                              endian="LITTLE" if file_format == "RAW" else "FILE")
+        except BaseException:  # Ctrl-C, raised once it was open: close it now, not when collected (its file is gone)
+            if sound is not None:
+                with interrupts_held():
+                    sound.close()
+            raise
+        self.sound = sound
 
     def write(self, samples: np.ndarray, last: bool = False) -> None:
         samples = np.asarray(samples, dtype=np.float32)

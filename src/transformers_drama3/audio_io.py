@@ -202,10 +202,11 @@ class AudioFileWriter:
             with interrupts_held():
                 sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
                                               endian="LITTLE" if file_format == "RAW" else "FILE")
-        except BaseException:  # Ctrl-C, raised once it was open: close it now, not when collected (its file is gone)
-            if sound is not None:
-                with interrupts_held():
+        except BaseException:  # Ctrl-C, raised once it was open: close and free it now (see `release`)
+            with interrupts_held():
+                if sound is not None:
                     sound.close()
+                sound = None
             raise
         self.sound = sound
 
@@ -230,10 +231,17 @@ class AudioFileWriter:
                 with interrupts_held():
                     self.sound.write(self.pending)
         finally:
-            with interrupts_held():
-                self.sound.close()
+            self.release()
         if self.ogg:
             set_ogg_serial(self.file, OGG_SERIAL)
+
+    def release(self) -> None:
+        """Close the SoundFile and free it, with Ctrl-C held. Freed later by the garbage collector (an interrupt's
+        traceback keeps frames alive), its `__del__` would run at any moment, and a Ctrl-C landing in it is ignored
+        by Python, or its close would write through cffi into a file that is closed by then."""
+        with interrupts_held():
+            self.sound.close()
+            self.sound = None
 
     def __enter__(self) -> AudioFileWriter:
         return self
@@ -242,8 +250,7 @@ class AudioFileWriter:
         if kind is None:
             self.close()
         else:
-            with interrupts_held():
-                self.sound.close()  # the file is thrown away (write_atomically): no serial to fix
+            self.release()  # the file is thrown away (write_atomically): no serial to fix
 
 
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when its header is sent

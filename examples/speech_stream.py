@@ -48,6 +48,8 @@ def main() -> None:
                 elif event["type"] == "utterance.done":
                     print(f"{time.perf_counter() - start:5.2f} s  done: {event['frames']} frames -> "
                           f"utterance-{event['index']}.{args.format}")
+                elif event["type"] == "error" and event["error"]["code"] == "draining":  # SIGTERM: a replica stops
+                    print(f"the server is shutting down; text to send to another replica: {event['unspoken_text']!r}")
                 else:
                     print(event)
 

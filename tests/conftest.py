@@ -21,6 +21,12 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
+from hypothesis import settings  # noqa: E402
+
+# `--hypothesis-profile=stress`: 10,000 examples for each property test that does not set its own number (.ci/run's
+# stress stage runs tests/test_chunking.py with it).
+settings.register_profile("stress", max_examples=10_000)
+
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_TINY = FIXTURES / "tiny"
 

@@ -202,6 +202,35 @@ def test_stream_into_a_pipe_plays_while_the_file_is_written_atomically(tmp_path,
     assert sorted(os.listdir(tmp_path)) == ["plain.opus", "streamed.opus"]
 
 
+def test_a_closed_pipe_ends_quietly(tmp_path, capsys, monkeypatch):
+    """`-o - | head -c 5000`: once the reader is gone the run stops generating and exits 0 without a word;
+    `--stream -o FILE | player` whose player quits still finishes the file."""
+    from transformers_drama3.streaming import Drama3AudioStreamer
+
+    puts = []
+    put = Drama3AudioStreamer.put
+    monkeypatch.setattr(Drama3AudioStreamer, "put", lambda self, value: puts.append(1) or put(self, value))
+
+    def closed_pipe():
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader has gone before the first byte
+        monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(os.fdopen(write_end, "wb")))
+
+    common = [*MODEL, "Hello there.", "--seed", "0", "--quiet"]
+    long_text = [*MODEL, "One sentence here. " * 4, "--chunk-bytes", "40", "--seed", "0", "--quiet", "-o", "-"]
+    assert _stdout_bytes(capsys, monkeypatch, *long_text, "--max-new-tokens", "8")
+    everything, puts[:] = len(puts), []
+    closed_pipe()
+    assert _main(capsys, *long_text, "--max-new-tokens", "8") == (0, "", "")
+    assert len(puts) < everything / 2  # stopped early, not after generating all chunks for nobody
+    closed_pipe()
+    monkeypatch.setattr("transformers_drama3.cli.stdout_is_pipe", lambda: True)
+    assert _main(capsys, *common, "-o", "streamed.wav", "--stream", "--max-new-tokens", "6") == (0, "", "")
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO()))
+    assert _main(capsys, *common, "-o", "plain.wav", "--max-new-tokens", "6")[0] == 0
+    assert (tmp_path / "streamed.wav").read_bytes() == (tmp_path / "plain.wav").read_bytes()
+
+
 def test_text_from_stdin_and_from_a_file_in_flac(tmp_path, capsys, monkeypatch):
     (tmp_path / "text.txt").write_text("Hello there.\n", encoding="utf-8")
     from_file, from_stdin = tmp_path / "file.flac", tmp_path / "stdin.flac"

@@ -403,6 +403,8 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     created = http.post("/v1/voices", data={"name": "me", "transcript": "This is my voice."}, files=files)
     assert created.status_code == 201, created.text
     assert created.json()["id"] == "me" and (voices_dir / "me.voice.safetensors").is_file()
+    assert created.json()["warnings"] == [  # 16 kHz: the processor's own note, as a Python caller gets it
+        reference[1].conversion_notes(1, 16000, "audio")[0]] and "16000 Hz are resampled" in created.json()["warnings"][0]
     assert "me" in [voice["id"] for voice in http.get("/v1/voices").json()["data"]]
     again = http.post("/v1/voices", data={"name": "me", "transcript": "Again."}, files=files)
     assert again.status_code == 409
@@ -414,6 +416,20 @@ def test_enrol_a_voice_and_speak_with_it(server, http, voices_dir, reference):
     assert_close_pcm(wav_samples(response.content), pcm16(output.audio[0]))
     aliased = speech(http, input="Hello there.", voice="nova", temperature=0, max_new_tokens=4, response_format="wav")
     assert aliased.content == response.content  # --voice-alias nova=me
+
+
+def test_a_stereo_voice_is_averaged_to_mono_and_says_so(server, http, voices_dir, reference):
+    rate, time_axis = 44100, np.arange(44100) / 44100
+    stereo = np.stack([0.3 * np.sin(2 * np.pi * 220 * time_axis), 0.2 * np.sin(2 * np.pi * 330 * time_axis)])
+    buffer = io.BytesIO()
+    soundfile.write(buffer, stereo.T.astype(np.float32), rate, format="WAV", subtype="FLOAT")
+    files = {"audio": ("stereo.wav", buffer.getvalue(), "audio/wav")}
+    created = http.post("/v1/voices", data={"name": "stereo", "transcript": "Two channels."}, files=files)
+    assert created.status_code == 201, created.text
+    assert created.json()["warnings"] == ["audio: its 2 channels are averaged to mono."]
+    model, processor = reference
+    expected = processor.with_codec(model.codec).create_voice("Two channels.", stereo.astype(np.float32), rate)
+    assert torch.equal(Drama3Voice.load(voices_dir / "stereo.voice.safetensors").codes, expected.codes)
 
 
 def test_request_references_clone_a_voice(http, reference):
@@ -578,6 +594,15 @@ def test_drama3_serve_command(tmp_path):
                    "--max-frames", "8", "--fast-decode"]
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         try:
+            # It listens before its imports: the first connection is accepted before the app has started.
+            deadline = time.monotonic() + TIMEOUT
+            while process.poll() is None and time.monotonic() < deadline:
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT).close()
+                    break
+                except ConnectionRefusedError:
+                    time.sleep(0.01)
+            assert "Application startup complete" not in log.read_text()
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + TIMEOUT
             while time.monotonic() < deadline and process.poll() is None:

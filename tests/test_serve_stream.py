@@ -4,6 +4,7 @@ with the same request sent to `POST /v1/audio/speech` (the same server, seed and
 `generate` run here (within the streamed-vs-one-shot bound of tests/test_serve.py)."""
 
 import base64
+import contextlib
 import io
 import json
 import signal
@@ -127,12 +128,13 @@ def test_a_batch_is_queued_whole_or_refused_with_its_limit(server, http, monkeyp
 
 
 def read_session(socket) -> tuple[list[dict], list[bytes]]:
-    """Every message until the server closes: JSON events, and the audio of each utterance."""
+    """Every message until the server closes: JSON events, and the audio of each utterance (the first may have
+    started before)."""
     events, audio = [], []
     try:
         for message in socket:
             if isinstance(message, bytes):
-                audio[-1] += message
+                audio[-1:] = [(audio[-1] if audio else b"") + message]  # no "started" yet: one read before
             else:
                 events.append(json.loads(message))
                 if events[-1]["type"] == "utterance.started":
@@ -259,8 +261,10 @@ def test_a_saved_voice_prefix_is_computed_once_and_gives_the_uncached_audio(serv
 # -- SIGTERM: a graceful drain -----------------------------------------------------------------------------------
 
 
-def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
-    app = create_app(ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, max_frames=400))
+@contextlib.contextmanager
+def draining_server(max_frames: int):
+    """A `DrainingServer` (what `drama3-serve` runs) in a thread, its model loaded: (server, app, url, thread)."""
+    app = create_app(ServerSettings(model=str(GOLDEN_TINY), model_name=MODEL, max_frames=max_frames))
     listening = socket.socket()
     listening.bind(("127.0.0.1", 0))
     url = "http://127.0.0.1:%d" % listening.getsockname()[1]
@@ -270,20 +274,29 @@ def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
     deadline = time.monotonic() + TIMEOUT
     while app.state.service is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    try:
+        yield server, app, url, thread
+    finally:
+        server.should_exit = True
+        thread.join(TIMEOUT)
+        listening.close()
+
+
+def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
     long_body = {"model": MODEL, "input": "A long request that runs.", "response_format": "pcm", "seed": 3,
                  "max_new_tokens": 20}
     result, started = {}, threading.Event()
+    with draining_server(max_frames=400) as (server, app, url, thread):
 
-    def long_request():
-        with httpx.stream("POST", f"{url}/v1/audio/speech", json=long_body, timeout=TIMEOUT) as response:
-            pieces = response.iter_bytes()
-            result["first"] = next(pieces)  # the first audio is out: the request runs
-            started.set()
-            result["audio"] = result["first"] + b"".join(pieces)
+        def long_request():
+            with httpx.stream("POST", f"{url}/v1/audio/speech", json=long_body, timeout=TIMEOUT) as response:
+                pieces = response.iter_bytes()
+                result["first"] = next(pieces)  # the first audio is out: the request runs
+                started.set()
+                result["audio"] = result["first"] + b"".join(pieces)
 
-    client = threading.Thread(target=long_request)
-    client.start()
-    try:
+        client = threading.Thread(target=long_request)
+        client.start()
         assert started.wait(TIMEOUT)
         server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls on SIGTERM
         health = httpx.get(f"{url}/health", timeout=TIMEOUT)
@@ -293,12 +306,36 @@ def test_sigterm_drains_running_requests_refuses_new_ones_then_stops():
         client.join(TIMEOUT)
         thread.join(TIMEOUT)
         assert not thread.is_alive()  # stopped by itself once drained
-    finally:
-        server.should_exit = True
-        thread.join(TIMEOUT)
-        listening.close()
     # It went on after SIGTERM, to its own end: all 20 frames (this seed makes no EOS before them).
     assert len(result["audio"]) == 20 * BYTES_PER_FRAME > len(result["first"])
+
+
+def test_sigterm_closes_websocket_sessions_with_their_unspoken_text():
+    """A speaking session finishes its utterance, an idle one is told at once; both get the `draining` error with
+    the text they did not speak and close with 1001; then the server stops by itself."""
+    with draining_server(max_frames=400) as (server, app, url, thread):
+        ws = url.replace("http://", "ws://") + "/v1/audio/speech/stream"
+        with connect(ws, open_timeout=TIMEOUT) as speaking, connect(ws, open_timeout=TIMEOUT) as idle:
+            for client in (speaking, idle):
+                client.send(json.dumps({"type": "session.start", "model": MODEL, "seed": 3, "max_new_tokens": 20}))
+                assert json.loads(client.recv(timeout=TIMEOUT))["type"] == "session.created"
+            speaking.send(json.dumps({"type": "text.append", "text": "A long first sentence. "}))
+            assert json.loads(speaking.recv(timeout=TIMEOUT))["type"] == "utterance.started"
+            speaking.send(json.dumps({"type": "text.append", "text": "A second one. And a third"}))
+            idle.send(json.dumps({"type": "text.append", "text": "Not finished"}))
+            time.sleep(0.5)  # the appends reach the server while the first utterance runs (20 frames: seconds)
+            server.handle_exit(signal.SIGTERM, None)
+            idle_events, _ = read_session(idle)
+            events, audio = read_session(speaking)
+        assert [event["type"] for event in events] == ["utterance.done", "error"]
+        assert len(audio[0]) == events[0]["frames"] * BYTES_PER_FRAME > 0  # the running utterance was finished
+        for event in (events[-1], idle_events[-1]):
+            assert event["error"]["code"] == "draining"
+        assert events[-1]["unspoken_text"] == "A second one. And a third"  # queued, then still buffered
+        assert idle_events == [idle_events[-1]] and idle_events[-1]["unspoken_text"] == "Not finished"
+        assert speaking.close_code == idle.close_code == 1001
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()  # every session closed and nothing runs: drained
 
 
 def test_text_becomes_utterances_at_complete_sentences_and_keeps_its_speaker():

@@ -7,6 +7,9 @@ Written files are reproducible: the same samples give the same bytes, whether th
 (`write_audio`) or chunk by chunk as they are generated (`AudioFileWriter`). Both hand the samples to the encoder in
 blocks of one codec frame (`WRITE_BLOCK`), because the Vorbis encoder's output depends on how the samples arrive,
 and an Ogg file gets a fixed stream serial number (`OGG_SERIAL`) instead of libsndfile's clock-seeded random one.
+
+Ctrl-C while a file is written is held over each call into libsndfile (`interrupts_held`) and raised right after it:
+the write stops cleanly, between encoder blocks, and its temporary file is removed.
 """
 
 from __future__ import annotations
@@ -15,7 +18,9 @@ import contextlib
 import io
 import os
 import secrets
+import signal
 import struct
+import threading
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -39,6 +44,27 @@ def soundfile():
     import soundfile as module
 
     return module
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold SIGINT while the block runs, then deliver it to the handler that was in place (KeyboardInterrupt).
+
+    libsndfile writes to a Python file through soundfile's cffi callbacks, and cffi swallows an exception raised in
+    a callback: a Ctrl-C landing there was lost, or left the encoder in a state that failed later. Only the main
+    thread runs signal handlers; elsewhere, or under a handler not set from Python, the block just runs."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        yield
+        return
+    held = []
+    signal.signal(signal.SIGINT, lambda number, frame: held.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held:
+            signal.raise_signal(signal.SIGINT)
 
 
 def audio_file_format(path: str | os.PathLike) -> tuple[str, str]:
@@ -170,9 +196,19 @@ class AudioFileWriter:
         rate = output_rate or file_sampling_rate(path, sampling_rate)
         self.file, self.ogg = file, file_format == "OGG" and ogg_serial
         self.resampler = None if rate == sampling_rate else resample_stream(sampling_rate, rate, channels)
-        self.sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
-                                           endian="LITTLE" if file_format == "RAW" else "FILE")
         self.pending = np.zeros((0,) if channels == 1 else (0, channels), dtype=np.float32)  # < WRITE_BLOCK samples
+        sound = None
+        try:
+            with interrupts_held():
+                sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
+                                              endian="LITTLE" if file_format == "RAW" else "FILE")
+        except BaseException:  # Ctrl-C, raised once it was open: close and free it now (see `release`)
+            with interrupts_held():
+                if sound is not None:
+                    sound.close()
+                sound = None
+            raise
+        self.sound = sound
 
     def write(self, samples: np.ndarray, last: bool = False) -> None:
         samples = np.asarray(samples, dtype=np.float32)
@@ -181,20 +217,31 @@ class AudioFileWriter:
         samples = np.concatenate([self.pending, np.clip(samples, -1.0, 1.0)])
         whole = len(samples) - len(samples) % WRITE_BLOCK
         for start in range(0, whole, WRITE_BLOCK):
-            self.sound.write(samples[start : start + WRITE_BLOCK])
+            with interrupts_held():
+                self.sound.write(samples[start : start + WRITE_BLOCK])
         self.pending = samples[whole:]
-        self.sound.flush()  # a reader of the growing file (a player) gets what was written so far
+        with interrupts_held():
+            self.sound.flush()  # a reader of the growing file (a player) gets what was written so far
 
     def close(self) -> None:
         try:
             if self.resampler is not None:  # the resampler's delayed tail
                 self.write(np.zeros((0,) + self.pending.shape[1:], dtype=np.float32), last=True)
             if len(self.pending):
-                self.sound.write(self.pending)
+                with interrupts_held():
+                    self.sound.write(self.pending)
         finally:
-            self.sound.close()
+            self.release()
         if self.ogg:
             set_ogg_serial(self.file, OGG_SERIAL)
+
+    def release(self) -> None:
+        """Close the SoundFile and free it, with Ctrl-C held. Freed later by the garbage collector (an interrupt's
+        traceback keeps frames alive), its `__del__` would run at any moment, and a Ctrl-C landing in it is ignored
+        by Python, or its close would write through cffi into a file that is closed by then."""
+        with interrupts_held():
+            self.sound.close()
+            self.sound = None
 
     def __enter__(self) -> AudioFileWriter:
         return self
@@ -203,7 +250,7 @@ class AudioFileWriter:
         if kind is None:
             self.close()
         else:
-            self.sound.close()  # the file is thrown away (write_atomically): no serial to fix
+            self.release()  # the file is thrown away (write_atomically): no serial to fix
 
 
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when its header is sent
@@ -321,7 +368,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
             os.fsync(file.fileno())
         os.replace(temporary, path)
     except BaseException:
-        temporary.unlink(missing_ok=True)
+        with interrupts_held():  # a second Ctrl-C must not leave the temporary file behind
+            temporary.unlink(missing_ok=True)
         raise
     return path
 

@@ -1,8 +1,8 @@
 """Long text -> chunks that are spoken one after another (`split_text`).
 
 Each chunk has at most `max_bytes` UTF-8 bytes and `max_speakers` distinct speakers and starts with its speaker tag.
-Cuts fall after sentence ends, else after clause marks, else at white space, never inside `<|...|>` tags, `[cues]`
-or `<tag>...</tag>` spans. `synthesize` generates the chunks with earlier ones as history turns (docs/usage.md).
+Cuts fall after sentence ends, else after clause marks, else at white space, else between grapheme clusters, never
+inside `<|...|>` tags, `[cues]` or `<tag>...</tag>` spans that fit. `synthesize` generates the chunks with earlier ones as history turns (docs/usage.md).
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import bisect
 import itertools
 import re
 from collections.abc import Callable, Sequence
+
+import regex
 
 from .speaker_tags import SPEAKER_TAG, WHITE_SPACE, WHITE_SPACE_CLASS, tag_text
 
@@ -27,6 +29,10 @@ _SPEAKER_TAG_LIKE = re.compile(r"<\|.*?\|>", re.DOTALL)
 _BRACKET_CUE = re.compile(r"\[[^\[\]]*\]")
 _PAIRED_TAG = re.compile(r"<([A-Za-z][\w:-]*)(?:\s[^<>]*)?>.*?</\1\s*>", re.DOTALL)
 _LONE_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
+# `<|name|>` tokens that no cut may split: speaker tags and the processor's own tokens. At most 17 bytes, so one
+# fits the smallest piece budget (MIN_CHUNK_BYTES less the longest speaker tag and its space).
+_TOKEN = re.compile(r"<\|[A-Za-z0-9_:.-]{1,13}\|>")
+_GRAPHEME = regex.compile(r"\X", regex.DOTALL)
 
 
 def _utf8_length(text: str) -> int:
@@ -57,44 +63,53 @@ def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], boo
 
 
 def _cut_candidates(text: str) -> list[list[int]]:
-    """Sorted allowed cut positions in `text`, best kind first: after sentence ends, after clause marks, at spaces."""
+    """Sorted allowed cut positions in `text`, best kind first.
+
+    Outside every protected span: after sentence ends, after clause marks, at white space, between grapheme clusters.
+    Then inside cues and tags too long to keep whole: at white space, between grapheme clusters; last between code
+    points (one grapheme cluster, such as a letter with many combining marks, can outgrow the budget). No kind ever
+    cuts a `<|name|>` token.
+    """
     inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    inside_token = _protected(text, (_TOKEN,))
+    spaces = [match.start() for match in _WHITE_SPACE_RUN.finditer(text)]
+    # Grapheme clusters by the third-party `regex` module (a transformers dependency): Python's `re` has no `\X`,
+    # and the rules (emoji ZWJ sequences, flags, Indic and Thai clusters) are Unicode's, not ours to rewrite.
+    graphemes = [match.end() for match in _GRAPHEME.finditer(text)]
     levels = [
         [match.end() for match in _SENTENCE_END.finditer(text)],
         [match.end() for match in _CLAUSE_END.finditer(text)],
-        [match.start() for match in _WHITE_SPACE_RUN.finditer(text)],
+        spaces,
+        graphemes,
     ]
-    return [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
+    strict = [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
+    loose = [[p for p in positions if 0 < p < len(text) and not inside_token(p)]
+             for positions in (spaces, graphemes, range(1, len(text)))]
+    return strict + loose
 
 
-def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int | None:
+def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int:
     """The cut after `start` whose piece fits `max_bytes`, preferring better kinds, then longer pieces.
 
-    If no piece fits: the nearest cut of any kind (an oversize piece); None if there is no cut at all.
+    The last kind (code points outside `<|...|>` tokens) always has one: a token fits the smallest budget.
     """
     limit = bisect.bisect_right(offsets, offsets[start] + max_bytes) - 1  # last position that fits
-    for level in levels:
+    for level in levels[:-1]:
         index = bisect.bisect_right(level, limit) - 1
         if index >= 0 and level[index] > start:
             return level[index]
-    later = [level[i] for level in levels if (i := bisect.bisect_right(level, start)) < len(level)]
-    return min(later) if later else None
+    return levels[-1][bisect.bisect_right(levels[-1], limit) - 1]
 
 
 def _split_turn(body: str, max_bytes: int) -> list[str]:
-    """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes where possible.
-
-    No cut candidate has white space right before it, so a piece's size is a difference of byte offsets.
-    """
+    """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes."""
     body = body.strip(WHITE_SPACE)
     offsets = _utf8_offsets(body)
     levels = _cut_candidates(body)
     pieces, start = [], 0
     while offsets[-1] - offsets[start] > max_bytes:
         cut = _best_cut(levels, offsets, start, max_bytes)
-        if cut is None:
-            break
-        pieces.append(body[start:cut])
+        pieces.append(body[start:cut].rstrip(WHITE_SPACE))
         start = len(body) - len(body[cut:].lstrip(WHITE_SPACE))
     return pieces + [body[start:]]
 
@@ -117,8 +132,9 @@ def split_text(text: str, max_bytes: int = 300, max_speakers: int = 3) -> list[s
 
     Line breaks become spaces. Each chunk has at most `max_bytes` UTF-8 bytes and at most `max_speakers` distinct
     speakers, and starts with its speaker tag (a turn split over chunks repeats its tag). Cuts fall after sentence
-    ends, else after clause marks, else at spaces; never inside `<|...|>`, `[cues]` or `<tag>...</tag>` spans. A
-    single unbreakable span longer than `max_bytes` becomes a chunk of its own, over the limit.
+    ends, else after clause marks, else at spaces, else between grapheme clusters (text in any script, with or
+    without spaces); never inside `<|...|>`, `[cues]` or `<tag>...</tag>` spans that fit the limit. A longer cue or
+    tag span is cut inside, at white space where it has some; a speaker tag or other `<|name|>` token never is.
 
     This function only splits; `Drama3Processor.split_text` also refuses unsafe text.
     """

@@ -30,11 +30,10 @@ import os
 import re
 import signal
 import sys
-import threading
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
-from .cli_output import STDOUT, STDOUT_FORMATS, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
+from .cli_output import STDOUT, STDOUT_FORMATS, ReaderGone, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 from .loading import (
     default_threads_wait_passively,
     is_kernel_fallback,
@@ -44,25 +43,15 @@ from .loading import (
     resolve_device_and_dtype,
     under_torchrun,
 )
+from .stop_signals import Stopped, stop_signals_raise
 
 FAILURE, INTERRUPTED = 1, 130
 VOICE_FILE_SUFFIX = ".safetensors"
 SAMPLING_FLAGS = ("temperature", "top_p", "top_k")  # main-token sampling, meaningless with --greedy
-STOP_SIGNALS = ("SIGTERM", "SIGHUP")  # what process managers and closing terminals send
 
 
 class CommandError(Exception):
     """A failure reported as one line on stderr with exit status 1."""
-
-
-class Stopped(BaseException):
-    """The process got a stop signal (SIGTERM, SIGHUP): unwind like Ctrl-C, so temporary files are removed.
-
-    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way swallows it."""
-
-    def __init__(self, signal_number: int):
-        super().__init__(signal_number)
-        self.signal_number = signal_number
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -278,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_usage(parser, args)
     try:
-        with _stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
+        with stop_signals_raise(), _Notes.collecting(args.quiet) as notes:
             flags = check_generation_flags(parser, args)
             if under_torchrun():
                 from . import parallel
@@ -288,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if args.manifest is not None else None)
                 notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
+    except ReaderGone:  # `-o - | head`: the reader has what it wanted
+        return 0
     except KeyboardInterrupt:
         print("drama3-tts: interrupted", file=sys.stderr)
         return INTERRUPTED
@@ -305,28 +296,6 @@ def _reported_errors() -> tuple[type[BaseException], ...]:
     torch has been imported at all)."""
     torch = sys.modules.get("torch")
     return (CommandError, OSError, ValueError) + ((torch.OutOfMemoryError,) if torch is not None else ())
-
-
-@contextlib.contextmanager
-def _stop_signals_raise():
-    """While running, SIGTERM and SIGHUP raise `Stopped` in the main thread (their default is to end the process at
-    once, leaving temporary files behind); a repeated signal is ignored while the first one unwinds."""
-    if threading.current_thread() is not threading.main_thread():  # signal handlers belong to the main thread
-        yield
-        return
-    numbers = [getattr(signal, name) for name in STOP_SIGNALS if hasattr(signal, name)]
-
-    def stop(number, frame):
-        for each in numbers:
-            signal.signal(each, signal.SIG_IGN)
-        raise Stopped(number)
-
-    previous = {number: signal.signal(number, stop) for number in numbers}
-    try:
-        yield
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
 
 
 class _Notes(logging.Handler):

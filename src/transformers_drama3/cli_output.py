@@ -8,6 +8,9 @@
 Every byte comes from `audio_io`'s encoders, the ones the server answers with: a file through `AudioFileWriter`
 (what `write_audio` uses, so a streamed file equals an unstreamed one), standard output through `AudioEncoder`
 (a WAV there has the sizes 0xFFFFFFFF of a WAV of unknown length, which players and Python's `wave` read to the end).
+
+A reader that closes standard output early (`| head -c 5000`, a player that quits) is no failure: `-o -` stops
+generating and the run ends quietly with status 0, as `cat` does; `--stream -o FILE` stops sending and finishes the file.
 """
 
 from __future__ import annotations
@@ -21,6 +24,20 @@ from pathlib import Path
 
 STDOUT = Path("-")  # `-o -`
 STDOUT_FORMATS = ("wav", "pcm", "mp3", "opus", "ogg")  # the formats that can go down a pipe as they are made
+
+
+class ReaderGone(BaseException):
+    """Standard output's reader closed it while `-o -` was streaming: `main` ends quietly with status 0.
+
+    A BaseException, like KeyboardInterrupt, so that no `except Exception` on the way takes it for a failure."""
+
+
+def silence_stdout() -> None:
+    """Point standard output at the null device, so that the interpreter's last flush of a closed pipe at exit
+    prints no "Exception ignored ... BrokenPipeError" (the way Python's signal documentation recommends)."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, sys.stdout.fileno())
+    os.close(null)
 
 
 def stdout_is_pipe() -> bool:
@@ -50,14 +67,23 @@ def stream_to_outputs(path: Path | None, stdout_format: str | None, model, run):
     from .audio_io import AudioEncoder, AudioFileWriter, write_atomically
     from .streaming import Drama3AudioStreamer
 
-    streamer = Drama3AudioStreamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
+    reader_gone = threading.Event()  # set by the writer thread when standard output's reader has closed it
+
+    class Streamer(Drama3AudioStreamer):
+        def put(self, value) -> None:
+            if reader_gone.is_set() and path is None:  # nobody will hear the rest: stop generating
+                raise ReaderGone
+            super().put(value)
+
+    streamer = Streamer(model.codec, overlap=True)  # the codec decodes while the next frames are made
     rate = model.config.sampling_rate
     encoder = None if stdout_format is None else AudioEncoder(stdout_format, rate, streamed=True)
     result, failures = [], []
 
     def write(file) -> None:
         with contextlib.nullcontext() if file is None else AudioFileWriter(file, path, rate) as sound:
-            writer = threading.Thread(target=drain, args=(streamer, sound, encoder, failures), daemon=True)
+            writer = threading.Thread(target=drain, args=(streamer, sound, encoder, failures, reader_gone),
+                                      daemon=True)
             writer.start()
             try:
                 result.append(run(streamer))  # synthesize ends the stream, also on errors
@@ -66,8 +92,10 @@ def stream_to_outputs(path: Path | None, stdout_format: str | None, model, run):
                 writer.join()
             if failures:
                 raise failures[0]
-        if encoder is not None:
-            send(encoder.finish())
+        if encoder is not None and not reader_gone.is_set():
+            send_or_note_gone(encoder.finish(), reader_gone)
+        if reader_gone.is_set() and path is None:
+            raise ReaderGone
 
     if path is None:
         write(None)
@@ -83,15 +111,25 @@ def send(data: bytes) -> None:
         sys.stdout.buffer.flush()
 
 
-def drain(streamer, sound, encoder, failures: list) -> None:
+def send_or_note_gone(data: bytes, reader_gone: threading.Event) -> None:
+    """`send`, and if standard output's reader has closed it: set `reader_gone` and silence standard output."""
+    try:
+        send(data)
+    except BrokenPipeError:
+        silence_stdout()
+        reader_gone.set()
+
+
+def drain(streamer, sound, encoder, failures: list, reader_gone: threading.Event) -> None:
     """Write audio chunks from `streamer` into the open `AudioFileWriter` `sound` and through `encoder` to standard
-    output until the stream ends (a writer thread; either may be None)."""
+    output until the stream ends (a writer thread; either may be None). A closed standard output sets
+    `reader_gone` and ends the sending, not the file."""
     try:
         for chunk in streamer:
             samples = chunk.numpy()
             if sound is not None:
                 sound.write(samples)
-            if encoder is not None:
-                send(encoder.encode(samples))
+            if encoder is not None and not reader_gone.is_set():
+                send_or_note_gone(encoder.encode(samples), reader_gone)
     except Exception as error:  # re-raised by the generating thread
         failures.append(error)

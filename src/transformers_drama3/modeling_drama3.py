@@ -192,6 +192,12 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         self.backbone.embed_tokens = value
 
     @property
+    def is_gradient_checkpointing(self) -> bool:
+        """Whether activation checkpointing is on, without the FutureWarning of transformers' deprecated alias: peft
+        reads this property in `get_peft_model` and `PeftModel.from_pretrained`, where no user can avoid it."""
+        return any(getattr(module, "gradient_checkpointing", False) for module in self.modules())
+
+    @property
     def input_device(self) -> torch.device:
         """Where frame rows must be: the input embedding's execution device (its accelerate hook's device when the
         model is dispatched, where offloaded weights sit on the meta device)."""

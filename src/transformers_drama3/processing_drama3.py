@@ -458,7 +458,8 @@ class Drama3Processor(ProcessorMixin):
                              "or a saved Drama3Voice instead of audio")
         self.check_audio(audio, sampling_rate, where)
         samples, sampling_rate, channels = self._mono_audio(audio, sampling_rate, where)  # [L]
-        self._say_conversion(channels, sampling_rate, where)
+        for note in self.conversion_notes(channels, sampling_rate, where):
+            logger.warning(note)
         with torch.inference_mode():
             mono = torch.from_numpy(samples)[None]  # [1, L]: one recording, [channels, samples]
             codes = self.codec.encode(mono, sampling_rate).audio_codes  # [1, K, frames]
@@ -500,8 +501,9 @@ class Drama3Processor(ProcessorMixin):
         mono = samples if samples.ndim == 1 else samples.mean(axis=0)
         return np.ascontiguousarray(mono, dtype=np.float32), int(sampling_rate), channels
 
-    def _say_conversion(self, channels: int, sampling_rate: int, where: str) -> None:
-        """Warn when reference audio is mixed down or comes at a lower rate than the codec's."""
+    def conversion_notes(self, channels: int, sampling_rate: int, where: str) -> list[str]:
+        """What encoding does to reference audio of `channels` at `sampling_rate` that its owner should know: mixed
+        down to mono, or resampled from a lower rate than the codec's (a note, or none). `encode_audio` logs it."""
         changes = []
         if channels > 1:
             changes.append(f"its {channels} channels are averaged to mono")
@@ -511,8 +513,7 @@ class Drama3Processor(ProcessorMixin):
                 "frequencies it lacks (the cloned voice may sound muffled: use a recording of 44.1 kHz or more if "
                 "you have one)"
             )
-        if changes:
-            logger.warning(f"{where}: {'; '.join(changes)}.")
+        return [f"{where}: {'; '.join(changes)}."] if changes else []
 
     def create_voice(
         self,

@@ -117,6 +117,7 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
     app.state.draining = False  # set by `start_draining` (SIGTERM): new requests get 503, running ones finish
+    app.state.sessions = set()  # the open WebSocket sessions, told by `start_draining`
     metrics = ServerMetrics(lambda: None if app.state.service is None else app.state.service.worker, settings.max_batch)
     app.add_middleware(CountRequests, metrics=metrics, routes=lambda: {route.path for route in app.routes})
 
@@ -177,9 +178,10 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if upload is None or isinstance(upload, str):
             raise APIError(400, "missing file field 'audio': upload the recording (WAV, FLAC, OGG or MP3)", "audio",
                            "missing_parameter")
-        replaced = await enrol_recording(service, voices, settings, name, transcript, upload.read,
-                                         replacing is not None)
-        return JSONResponse(voices.describe(name), status_code=200 if replaced else 201)
+        replaced, notes = await enrol_recording(service, voices, settings, name, transcript, upload.read,
+                                                replacing is not None)
+        return JSONResponse({**voices.describe(name), **({"warnings": notes} if notes else {})},
+                            status_code=200 if replaced else 201)
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -254,7 +256,11 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         rate = service.model.config.sampling_rate if service is not None else 0
         session = SpeechStreamSession(websocket, new_job, submit, lambda: app.state.draining, settings.max_text_chars,
                                       rate)
-        await session.run()
+        app.state.sessions.add(session)
+        try:
+            await session.run()
+        finally:
+            app.state.sessions.discard(session)
 
     return app
 
@@ -273,9 +279,10 @@ def ready_service(app: FastAPI) -> SpeechService:
 
 
 async def enrol_recording(service: SpeechService, voices: VoiceLibrary, settings: ServerSettings, name: str,
-                          transcript: str, read_recording, replace: bool) -> bool:
+                          transcript: str, read_recording, replace: bool) -> tuple[bool, list[str]]:
     """Check a name and transcript, then read (`await read_recording()`: the file's bytes), length-check, encode and
-    save a recording as voice `name`. True if it replaced a voice."""
+    save a recording as voice `name`. Returns whether it replaced a voice, and the processor's notes on converting the
+    recording (channels averaged, resampled), which the processor logs too."""
     voices.check_new_name(name, replace=replace)
     checked(lambda: service.processor.check_text(transcript, "transcript"), "transcript")
     data = await read_recording()
@@ -288,19 +295,22 @@ async def enrol_recording(service: SpeechService, voices: VoiceLibrary, settings
     voice = await service.worker.call(encode)
     replaced = await asyncio.to_thread(voices.save, name, voice, replace)
     logger.info("%s voice %r (%d frames)", "replaced" if replaced else "enrolled", name, voice.codes.shape[1])
-    return replaced
+    return replaced, service.processor.conversion_notes(samples.shape[0], rate, "audio")
 
 
 def start_draining(app: FastAPI) -> None:
-    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on."""
+    """Begin a graceful shutdown: new requests get 503 and `/health` says draining; running ones go on; each
+    WebSocket session finishes its utterance and closes (any thread, a signal handler too)."""
     app.state.draining = True
+    for session in list(app.state.sessions):
+        session.drain()
     logger.info("draining: new requests are refused, running requests finish")
 
 
 def drained(app: FastAPI) -> bool:
-    """Whether a draining server has no request left waiting or running."""
+    """Whether a draining server has no request left waiting or running and no WebSocket session open."""
     service = app.state.service
-    return service is None or service.worker.idle
+    return not app.state.sessions and (service is None or service.worker.idle)
 
 
 async def batch_result(job: SpeechJob, body: SpeechRequest, spec: ResponseFormat, request: Request,

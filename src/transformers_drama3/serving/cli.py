@@ -3,8 +3,9 @@
     drama3-serve --tiny --ui          # then open http://127.0.0.1:8000/ in a browser
     drama3-serve --model fishaudio/drama-3 --host 0.0.0.0 --port 8000 --voices voices/ --max-batch 16
 
-The server starts at once and loads the model in the background (`GET /health` is 503 until it is ready); if the
-model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts);
+The server listens at once, before it imports anything heavy (a connection made during the seconds of imports waits
+in the kernel's queue and is answered when they are done, never refused), and loads the model in the background
+(`GET /health` is 503 until it is ready); if the model cannot be loaded the process exits with status 1. Ctrl+C stops it gracefully (exit status 130, as drama3-tts);
 SIGTERM drains it first: new requests get 503 while running ones finish (--drain-seconds).
 docs/serving.md describes the API.
 """
@@ -15,6 +16,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -116,12 +118,30 @@ def page_mounted(app):
         raise ValueError(f"--ui needs {error.name}: install it with "
                          "'pip install \"transformers-drama3[ui]\"'") from None
     return mount_page(app)
+def listen(host: str, port: int) -> socket.socket:
+    """The server's listening socket, bound before the slow imports; uvicorn serves it (`server.run(sockets=...)`)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)  # uvicorn's default backlog
+    except OSError as error:
+        raise OSError(f"cannot listen on {host}:{port}: {error.strerror or error}") from error
 
 
 def main(argv: list[str] | None = None) -> int:
     default_threads_wait_passively()  # before torch loads (docs/serving.md, "Threads")
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        listening = listen(args.host, args.port)
+    except OSError as error:
+        print(f"drama3-serve: error: {error}", file=sys.stderr)
+        return 1
+    with listening:
+        return serve(args, listening)
+
+
+def serve(args, listening: socket.socket) -> int:
+    """Import the server, build it and run it on `listening` until it stops; the exit status."""
     try:
         import uvicorn
 
@@ -164,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.ui:
         print(f"drama3-serve: open http://{args.host}:{args.port}/ in a browser for the playground", file=sys.stderr)
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised Ctrl+C
         return INTERRUPTED
     if failed:

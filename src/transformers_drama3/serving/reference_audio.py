@@ -30,7 +30,8 @@ def decode_base64_audio(text: str, where: str) -> bytes:
 
 
 def read_audio_bytes(data: bytes, where: str, max_seconds: float) -> tuple[np.ndarray, int]:
-    """Float32 mono samples `[L]` (channels averaged) and the rate of an audio file's bytes (WAV, FLAC, OGG, MP3).
+    """Float32 samples `[channels, L]` and the rate of an audio file's bytes (WAV, FLAC, OGG, MP3); the processor
+    mixes them to mono and says so (`Drama3Processor.conversion_notes`), as it does for a Python caller.
 
     400 if the bytes are not a readable audio file or hold no samples; 413 if it is longer than `max_seconds`.
     """
@@ -58,4 +59,4 @@ def read_audio_bytes(data: bytes, where: str, max_seconds: float) -> tuple[np.nd
         raise APIError(400, f"{where} holds no audio samples", where, "invalid_audio")
     if not np.isfinite(samples).all():
         raise APIError(400, f"{where} contains NaN or infinite samples", where, "invalid_audio")
-    return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), int(rate)
+    return np.ascontiguousarray(samples.T, dtype=np.float32), int(rate)  # [channels, L]

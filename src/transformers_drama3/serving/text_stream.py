@@ -18,7 +18,10 @@ session's references are encoded once. docs/serving.md ("Streaming text in over 
                        {"type": "utterance.done", "index", "frames", "finish_reasons"}
                        {"type": "session.done", "utterances"}, then the server closes (1000)
                        {"type": "error", "error": {...}}, then the server closes (1008 bad message, 1011 failure,
-                       1001 shutting down)
+                       1001 shutting down; that event also has "unspoken_text", the session's text not spoken)
+
+On SIGTERM the server drains: a session finishes the utterance it is speaking, then (or at once, when it is waiting
+for text) sends the `draining` error with every piece of text it has not spoken, and closes with 1001.
 """
 
 from __future__ import annotations
@@ -45,12 +48,15 @@ SEED_MODULUS = 2**64
 SESSION_ENCODINGS = {"pcm": "pcm_s16le", "opus": "ogg_opus", "mp3": "mp3", "aac": "aac_adts"}
 
 
-class StreamError(Exception):
-    """Ends a session: the error event to send and the close code."""
+DRAINING = object()  # put on a session's utterance queue when the server starts draining: wakes a waiting session
 
-    def __init__(self, error: APIError, code: int):
+
+class StreamError(Exception):
+    """Ends a session: the error event to send (with `extra` fields beside `error`) and the close code."""
+
+    def __init__(self, error: APIError, code: int, extra: dict | None = None):
         super().__init__(error.message)
-        self.error, self.code = error, code
+        self.error, self.code, self.extra = error, code, extra or {}
 
 
 class SentenceBuffer:
@@ -106,14 +112,16 @@ class SpeechStreamSession:
     """One WebSocket session: a reader task buffering text into utterances, and this task speaking them in order.
 
     `make_job(body)` is the server's checked `SpeechJob` for a `SpeechRequest`; `submit(job)` queues it (both may
-    raise `APIError`); `draining()` says whether the server is shutting down (no new utterances are started then).
+    raise `APIError`); `draining()` says whether the server is shutting down (no new utterances are started then);
+    the server calls `drain()` when it starts to.
     """
 
     def __init__(self, websocket: WebSocket, make_job, submit, draining, max_chars: int, sampling_rate: int):
         self.websocket, self.make_job, self.submit, self.draining = websocket, make_job, submit, draining
         self.buffer = SentenceBuffer(max_chars)
         self.sampling_rate = sampling_rate
-        self.utterances: asyncio.Queue[str | None] = asyncio.Queue()
+        self.utterances: asyncio.Queue = asyncio.Queue()  # str, None (text done), an error, or DRAINING
+        self.loop = asyncio.get_running_loop()
         self.spoken: list[str] = []  # text chunks spoken so far, for history
         self.codes: list = []  # their codes
         self.references: list | None = None  # the session's references, encoded by its first utterance
@@ -131,9 +139,12 @@ class SpeechStreamSession:
             await self.send({"type": "session.done", "utterances": count})
             await self.websocket.close(CLOSE_NORMAL)
         except StreamError as error:
-            await self.fail(error.error, error.code)
+            await self.fail(error.error, error.code, error.extra)
         except APIError as error:
-            await self.fail(error, CLOSE_POLICY if error.status < 500 else CLOSE_ERROR)
+            if error.code == "draining":  # a session opened after the drain began
+                await self.fail(error, CLOSE_GOING_AWAY)
+            else:
+                await self.fail(error, CLOSE_POLICY if error.status < 500 else CLOSE_ERROR)
         except WebSocketDisconnect:
             pass  # the client left: the running utterance is cancelled below
         finally:
@@ -203,12 +214,31 @@ class SpeechStreamSession:
                 return index
             if isinstance(utterance, BaseException):
                 raise utterance
-            if self.draining():
-                raise StreamError(APIError(503, "the server is shutting down; reconnect to another replica",
-                                           code="draining"), CLOSE_GOING_AWAY)
+            if utterance is DRAINING or self.draining():
+                raise self.going_away(utterance)
             body.input = utterance
-            await self.speak_one(body, index, (body.seed + index) % SEED_MODULUS)
+            try:
+                await self.speak_one(body, index, (body.seed + index) % SEED_MODULUS)
+            except APIError as error:
+                if error.code == "draining":  # refused before it started: the drain began meanwhile
+                    raise self.going_away(utterance) from None
+                raise
             index += 1
+
+    def drain(self) -> None:
+        """The server starts draining (called from any thread): wake `speak` if it is waiting for text."""
+        self.loop.call_soon_threadsafe(self.utterances.put_nowait, DRAINING)
+
+    def going_away(self, utterance) -> StreamError:
+        """The drain's error: every piece of text not spoken (`utterance`, the queued ones, the buffer's rest)."""
+        pending = [utterance]
+        while not self.utterances.empty():
+            pending.append(self.utterances.get_nowait())
+        pending.append(self.buffer.take_all())
+        unspoken = " ".join(piece for piece in pending if isinstance(piece, str))
+        error = APIError(503, "the server is shutting down: open a session on another replica and send "
+                         "unspoken_text again", code="draining")
+        return StreamError(error, CLOSE_GOING_AWAY, {"unspoken_text": unspoken})
 
     async def speak_one(self, body: SpeechRequest, index: int, seed: int) -> None:
         body = body.model_copy(update={"seed": seed})
@@ -245,10 +275,10 @@ class SpeechStreamSession:
     async def send(self, message: dict) -> None:
         await self.websocket.send_text(json.dumps(message))
 
-    async def fail(self, error: APIError, code: int) -> None:
-        """Send the error event and close (the client may be gone already)."""
+    async def fail(self, error: APIError, code: int, extra: dict | None = None) -> None:
+        """Send the error event (with `extra` fields) and close (the client may be gone already)."""
         try:
-            await self.send({"type": "error", **error.body()})
+            await self.send({"type": "error", **error.body(), **(extra or {})})
             await self.websocket.close(code, reason=error.code or "")
         except (WebSocketDisconnect, RuntimeError):
             pass

@@ -14,14 +14,9 @@ short names (`wqkv`, `w1`, ...) and must never be adapted (it is not part of the
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 from peft import LoraConfig
-
-# peft (0.21) reads transformers' `is_gradient_checkpointing` in `get_peft_model`, a property transformers 5.x
-# deprecates for `is_activation_checkpointing`: a FutureWarning on every run that no user of the recipe can act on.
-warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
 
 _LAYER = r"backbone\.layers\.\d+\."
 _ATTENTION = _LAYER + r"(self_attn\.(q_proj|k_proj|v_proj|o_proj)|linear_attn\.(in_proj_qkv|in_proj_z|out_proj))"

@@ -210,6 +210,7 @@ def _plan(recordings, processor, voices, speaker, max_seconds) -> tuple[list[_Pl
     for recording in recordings:
         text = _tagged(recording.transcript, speaker)
         try:
+            processor.check_text(recording.transcript, "the transcript")  # positions in the transcript as written
             prompt = processor.build_prompt_rows(text, references=voices)
         except ValueError as error:
             skipped.append(SkippedClip(recording.name, f"unusable transcript: {error}"))

@@ -1,0 +1,58 @@
+"""Ctrl-C at any point of an audio file write: KeyboardInterrupt, no temporary file, no partial file.
+
+A SIGINT that lands while libsndfile calls back into Python (soundfile's file callbacks, through cffi) used to be
+swallowed there: lost, or a corrupt encoder state and soundfile's AssertionError. A child process
+(tests/interrupted_writer.py) writes one file over and over; the parent interrupts it after random delays within
+one write's duration, round after round, and reads the outcome of each. The suite runs `ROUNDS` per format;
+`DRAMA3_INTERRUPT_ROUNDS=50` (.ci/run's stress stage) runs 50.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from .conftest import default_sigint
+
+ROUNDS = int(os.environ.get("DRAMA3_INTERRUPT_ROUNDS", "3"))
+SUFFIXES = [".wav", ".flac", ".ogg", ".mp3", ".opus", ".pcm"]
+
+
+def _line(child, seconds: float = 60) -> str:
+    """The child's next line (it writes one at a time, then waits), or a failure if none comes: a lost interrupt
+    leaves the child writing forever."""
+    if not select.select([child.stdout], [], [], seconds)[0]:
+        child.send_signal(signal.SIGUSR1)  # its stack, to stderr (faulthandler)
+        time.sleep(1)
+        child.kill()
+        raise AssertionError(f"no answer: the interrupt was lost; the child was at:\n{child.stderr.read()}")
+    return child.stdout.readline().strip()
+
+
+def test_sigint_during_writes_of_every_format(tmp_path):
+    child = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("interrupted_writer.py")), str(tmp_path), *SUFFIXES],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=default_sigint,
+    )
+    draw = random.Random(35)
+    outcomes = []
+    try:
+        for suffix in SUFFIXES * ROUNDS:
+            child.stdin.write(suffix + "\n")
+            child.stdin.flush()
+            seconds = float(_line(child).split()[2])  # "writing SUFFIX SECONDS"
+            time.sleep(draw.uniform(0, 2 * seconds))  # anywhere in the first two writes
+            child.send_signal(signal.SIGINT)
+            outcomes.append(_line(child))
+    finally:
+        child.stdin.close()
+        child.kill()
+        stderr = child.stderr.read()
+    assert outcomes == [f"ok {suffix}" for suffix in SUFFIXES * ROUNDS], (outcomes, stderr)
+    assert "cffi" not in stderr and "Traceback" not in stderr, stderr

@@ -117,7 +117,8 @@ def engine_fast_decode(model, prompts: list[torch.Tensor]) -> str:
 
     engine = Drama3Engine(model, max_batch=4, fast_decode=True)
     ids = [engine.add_request(prompt, max_new_tokens=FRAMES, seed=index) for index, prompt in enumerate(prompts)]
-    results = [engine.get_result(request_id, timeout=300) for request_id in ids]
+    engine.run_until_idle()  # no thread of its own: this caller steps it
+    results = [engine.get_result(request_id) for request_id in ids]
     assert all(r.error is None and r.codes.device.type == "cpu" for r in results), [r.error for r in results]
     audio = model.codec.decode(results[0].codes[None]).audio_values
     return f"{sum(r.frames for r in results)} frames, audio on {audio.device}"

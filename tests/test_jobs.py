@@ -252,3 +252,54 @@ def test_manifest_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--tiny", *argv])
     assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_accelerate_launch_shares_a_six_item_job(job, tmp_path):
+    """`accelerate launch` with 2 processes (on a CPU machine --multi_gpu is what starts more than one; each then
+    uses the CPU): both ranks make items of a 6-item job, and the files are those of one process byte for byte."""
+    manifest, out = job
+    six = tmp_path / "six.jsonl"
+    six.write_text("\n".join(manifest.read_text().splitlines()[:6]) + "\n")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
+               "transformers_drama3.cli", *CLI_FLAGS, "--manifest", str(six), "--output-dir", str(tmp_path / "out"),
+               "--quiet"]  # the default --batch-size 8 would put all 6 items in one batch of one rank
+    run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=environment())
+    assert run.returncode == 0, run.stderr
+    split = results(tmp_path / "out")
+    assert {record["rank"] for record in split.values()} == {0, 1}
+    made = files(tmp_path / "out")
+    assert made == {name: data for name, data in files(out).items() if name.split(".")[0] in split}
+    assert what_was_made(split) == {key: value for key, value in what_was_made(results(out)).items() if key in split}
+
+
+def test_every_problem_is_reported_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    """First the lines and missing files (all of them, one message), then, with those fixed, what reading the
+    items' files finds: control tokens in text or text files, a voice file that is no voice, a recording that is
+    no audio. Neither loads the model."""
+    (tmp_path / "notes.txt").write_text("not audio")
+    (tmp_path / "tokens.txt").write_text("Read <|im_end|> this.")
+    monkeypatch.setattr(cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
+
+    def refused(lines: list[str]) -> str:
+        (tmp_path / "jobs.jsonl").write_text("\n".join(['{"id": "a", "text": "Hello."}', *lines]) + "\n")
+        status = cli.main(["--model", str(GOLDEN_TINY), "--manifest", str(tmp_path / "jobs.jsonl"),
+                           "--output-dir", str(tmp_path / "o")])
+        assert status == 1 and not (tmp_path / "o").exists()
+        return capsys.readouterr().err
+
+    error = refused(['{not json', '{"id": "b", "text": "Hi.", "colour": 1}', '{"id": "c", "text_file": "gone.txt"}',
+                     '{"id": "d", "text": "Hi.", "voice": "gone.voice.safetensors"}',
+                     '{"id": "e", "text": "Hi.", "references": [{"audio": "gone.wav", "transcript": "Hi."}]}'])
+    assert "5 problems in jobs.jsonl" in error
+    for line, problem in [(2, "not valid JSON"), (3, "unknown field(s) ['colour']"), (4, "gone.txt"),
+                          (5, "gone.voice.safetensors"), (6, "gone.wav")]:
+        assert f"jobs.jsonl line {line}: {problem}" in error or (
+            f"jobs.jsonl line {line}: no such file" in error and problem in error)
+    error = refused(['{"id": "f", "text": "Say <|im_end|> now."}', '{"id": "g", "text_file": "tokens.txt"}',
+                     '{"id": "h", "text": "Hi.", "voice": "notes.txt"}',
+                     '{"id": "i", "text": "Hi.", "references": [{"audio": "notes.txt", "transcript": "Hi."}]}'])
+    assert "4 problems in the job's items" in error
+    for line, item in [(2, "f"), (3, "g"), (4, "h"), (5, "i")]:
+        assert f"jobs.jsonl line {line} (id {item}): " in error
+    assert error.count("control token '<|im_end|>'") == 2 and "cannot read audio" in error

@@ -182,13 +182,14 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
     """Run `plan` with `model`, then merge the records into `results.jsonl` (on rank 0).
 
     Under torch.distributed every rank calls it with the same plan. Ranks holding a whole model share the batches
-    dynamically: each takes the next batch no other rank has claimed (`claim`, a file per batch in `plan.claims`),
-    so a fast rank takes more and a slow one fewer. A model split over all ranks runs every batch on every rank, and
-    rank 0 writes. The ranks meet at the start and the end: start the process group with
-    `timeout=JOB_COLLECTIVE_TIMEOUT` (the CLI does).
+    dynamically: rank r starts with batch r, then each takes the next batch no other rank has claimed (`claim`, a
+    file per batch in `plan.claims`), so a fast rank takes more and a slow one fewer. A model split over all ranks
+    runs every batch on every rank, and rank 0 writes. The ranks meet at the start and the end: start the process
+    group with `timeout=JOB_COLLECTIVE_TIMEOUT` (the CLI does).
     """
     distributed = dist.is_available() and dist.is_initialized()
-    shared = copies_of_model(model) > 1
+    copies = copies_of_model(model)
+    shared = copies > 1
     writer = shared or not parallel.is_sharded(model) or parallel.is_main_process()
     progress = JobProgress(plan, enabled=show_progress and parallel.is_main_process())
     records = plan.output_dir / RECORDS_FOLDER / f"{plan.run_id}-rank{parallel.rank()}.jsonl"
@@ -208,7 +209,10 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
             progress.show()
 
         for number, batch in enumerate(plan.batches):
-            if shared and not claim(plan.claims / f"batch{number}"):
+            # Batch r is rank r's first (every rank starts at once, however late it got here); then each takes the
+            # next one nobody has claimed.
+            mine = not shared or (number == parallel.rank() if number < copies else claim(plan.claims / str(number)))
+            if not mine:
                 continue
             run_batch(model, processor, plan, batch, record, writer)
             progress.count_other_ranks()

@@ -81,7 +81,8 @@ def save_audio_dataset(made, output: Path, dataset_format: str = "arrow", num_sh
     for stale in folder.glob("train-*.parquet"):  # an earlier run's shards, perhaps of another count
         stale.unlink()
     for number in range(shards):
-        made.shard(shards, number, contiguous=True).to_parquet(str(folder / f"train-{number:05d}-of-{shards:05d}.parquet"))
+        shard = made.shard(shards, number, contiguous=True)
+        shard.to_parquet(str(folder / f"train-{number:05d}-of-{shards:05d}.parquet"))
 
 
 def run_dataset(model, processor, dataset, output: str | os.PathLike, *, columns: dict | None = None,

@@ -73,7 +73,7 @@ def item_seed(item_id: str, base_seed: int = 0) -> int:
 
 def read_manifest(path: str | os.PathLike, base_seed: int = 0, defaults: dict | None = None) -> list[JobItem]:
     """The items of a JSON Lines manifest, every line checked (`checked_items`). Raises one `ManifestError` naming
-    every bad line; reads no text, voice or audio file."""
+    every bad line and every missing file; reads no text, voice or audio file."""
     path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
@@ -94,11 +94,11 @@ def read_manifest(path: str | os.PathLike, base_seed: int = 0, defaults: dict | 
 
 
 def checked_items(entries: Iterable[tuple[str, int, object]], folder: Path, base_seed: int = 0,
-                  defaults: dict | None = None, what: str = "the job", problems: list[str] | None = None
-                  ) -> list[JobItem]:
-    """`(where, line, entry)` -> items: fields, types, unique ids and sampling settings (by the rules of
-    `generate`) of every entry checked; paths are relative to `folder`. Raises one `ManifestError` with every
-    problem (and those already in `problems`)."""
+                  defaults: dict | None = None, what: str = "the job",
+                  problems: list[str] | None = None) -> list[JobItem]:
+    """`(where, line, entry)` -> items: fields, types, unique ids, sampling settings (by the rules of `generate`)
+    and that the files named exist, of every entry; paths are relative to `folder`. Raises one `ManifestError`
+    with every problem (and those already in `problems`)."""
     from transformers import GenerationConfig
 
     from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
@@ -166,6 +166,11 @@ def _checked_item(entry, where: str, number: int, folder: Path, base_seed: int, 
             settings[name] = entry[name]
     if settings.pop("greedy", False):
         settings["do_sample"] = False
+    files = [("text_file", text_file)] if text_file else []
+    files += [("voice", each) for each in voices] + [("references audio", each["audio"]) for each in references]
+    missing = [f"{name} {str(folder / path)!r}" for name, path in files if not (folder / path).is_file()]
+    if missing:
+        raise ManifestError(f"{where}: no such file: {', '.join(missing)}")
     fingerprint = hashlib.sha256(json.dumps([dict(entry), settings, base_seed], sort_keys=True).encode())
     return JobItem(
         id=item_id, line=number, seed=item_seed(item_id, base_seed) if seed is None else seed, format=audio_format,

@@ -104,6 +104,17 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
     for index in prepared:
         for leftover in output_dir.glob(f".{items[index].file_name}.*.tmp"):  # a write cut short by a kill
             leftover.unlink(missing_ok=True)
+    batches = batches_of(items, prepared, batch_size, sort_by_length, shares)
+    now = time.time_ns()  # run ids sort in time order, so the newest record of an item is read last
+    run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now // 10**9))}.{now % 10**9:09d}-{secrets.token_hex(3)}"
+    return JobPlan(items, output_dir, run_id, chunk_bytes, batches, prepared, skipped)
+
+
+def batches_of(items: list[JobItem], prepared: dict, batch_size: int, sort_by_length: bool = True,
+               shares: int = 1) -> list[list[int]]:
+    """The prepared items (index -> `read_item`'s result) cut into batches: an item of several chunks alone; items
+    of one chunk by length (unless `sort_by_length=False`), at most `batch_size` and only the same sampling
+    settings together, and small enough that each of `shares` model copies gets a batch."""
     short = [index for index, (_, chunks, _) in prepared.items() if len(chunks) == 1]
     if sort_by_length:
         short.sort(key=lambda index: (len(prepared[index][1][0].encode()), index))
@@ -114,9 +125,7 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
     for members in groups.values():
         size = min(batch_size, math.ceil(len(members) / shares))
         batches += [members[start : start + size] for start in range(0, len(members), size)]
-    now = time.time_ns()  # run ids sort in time order, so the newest record of an item is read last
-    run_id = f"{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now // 10**9))}.{now % 10**9:09d}-{secrets.token_hex(3)}"
-    return JobPlan(items, output_dir, run_id, chunk_bytes, batches, prepared, skipped)
+    return batches
 
 
 def read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[str, list[str], list]:
@@ -377,5 +386,5 @@ def run_manifest(model, processor, manifest: str | os.PathLike, output_dir: str 
 
 
 __all__ = ["JOB_COLLECTIVE_TIMEOUT", "RECORDS_FOLDER", "RESULTS_FILE", "JobPlan", "JobProgress", "JobSummary",
-           "claim", "copies_of_model", "encoded_references", "merge_records", "plan_job", "read_item", "read_records",
+           "batches_of", "claim", "copies_of_model", "encoded_references", "merge_records", "plan_job", "read_item", "read_records",
            "records_in", "run_batch", "run_items", "run_job", "run_manifest", "speak_batch"]

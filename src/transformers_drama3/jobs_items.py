@@ -240,16 +240,26 @@ def dataset_items(dataset, columns: Mapping[str, str] | None = None, *, dialogue
 
     checked, problems = [], []
     for index, row in enumerate(selected):
-        entry = {name: row[column] for name, column in columns.items() if row[column] is not None}
-        entry.setdefault("id", f"row{index:0{width}d}")
-        if dialogue_column:
-            try:
-                entry["text"] = dialogue_text(row[dialogue_column])
-            except ValueError as error:
-                problems.append(f"row {index}: {dialogue_column}: {error}")
-                continue
-        checked.append((f"row {index}", index, entry))
+        try:
+            checked.append((f"row {index}", index, row_entry(row, columns, dialogue_column, f"row{index:0{width}d}")))
+        except ValueError as error:
+            problems.append(f"row {index}: {error}")
     return checked_items(checked, Path(folder), base_seed, defaults, what, problems)
+
+
+def row_entry(row: Mapping, columns: Mapping[str, str], dialogue_column: str | None, default_id: str) -> dict:
+    """A row -> the entry of its item (the manifest's fields): mapped columns (None left out), `default_id` without
+    an id column, the dialogue column's turns as the text."""
+    entry = {name: row[column] for name, column in columns.items() if row[column] is not None}
+    if isinstance(entry.get("id"), int) and not isinstance(entry["id"], bool):
+        entry["id"] = str(entry["id"])  # an integer id column names files as well as a string one
+    entry.setdefault("id", default_id)
+    if dialogue_column:
+        try:
+            entry["text"] = dialogue_text(row[dialogue_column])
+        except ValueError as error:
+            raise ValueError(f"{dialogue_column}: {error}") from None
+    return entry
 
 
 def dialogue_text(turns) -> str:
@@ -264,4 +274,4 @@ def dialogue_text(turns) -> str:
 
 
 __all__ = ["FIELDS", "FORMATS", "ITEM_ID", "MAX_SEED", "JobItem", "ManifestError", "checked_items", "dataset_items",
-           "dialogue_text", "item_seed", "load_input_dataset", "problems_error", "read_manifest"]
+           "dialogue_text", "item_seed", "load_input_dataset", "problems_error", "read_manifest", "row_entry"]

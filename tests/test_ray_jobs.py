@@ -99,3 +99,23 @@ def _model():
     from transformers_drama3.processing_drama3 import Drama3Processor
 
     return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+
+
+def test_the_drama3_ray_command(tmp_path, capsys):
+    """`drama3-ray` on a local cluster: parquet in, parquet out with every row, the bad one named in the exit."""
+    import datasets
+    import pyarrow.parquet as pq
+
+    from transformers_drama3 import jobs_ray
+
+    texts = ["Hello there.", "Say <|im_end|> now.", "Good morning."]
+    datasets.Dataset.from_dict({"key": ["a", "b", "c"], "text": texts}).to_parquet(str(tmp_path / "texts.parquet"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        status = jobs_ray.main([str(tmp_path / "texts.parquet"), "--model", str(GOLDEN_TINY), "--id-column", "key",
+                                "--output", str(tmp_path / "speech"), "--max-new-tokens", str(FRAMES)])
+    finally:
+        ray.shutdown()
+    assert status == 1 and "rows b failed" in capsys.readouterr().err
+    rows = {row["key"]: row for row in pq.read_table(str(tmp_path / "speech")).to_pylist()}
+    assert sorted(rows) == ["a", "b", "c"] and rows["b"]["audio"] is None and rows["a"]["audio"]["bytes"][:4] == b"RIFF"

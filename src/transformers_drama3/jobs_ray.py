@@ -122,7 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--output", required=True, help="the folder of parquet files to write")
     parser.add_argument("--address", help="the Ray cluster (ray start --head ...); default: a local one")
     parser.add_argument("--id-column", required=True, metavar="NAME", help="a column of unique row ids")
-    parser.add_argument("--text-column", default="text", metavar="NAME", help="the text column (default text)")
+    parser.add_argument("--text-column", metavar="NAME", help="the text column (default text)")
+    parser.add_argument("--dialogue-column", metavar="NAME", help="a column of turns instead of a text column")
     parser.add_argument("--column", action="append", default=[], metavar="FIELD=NAME",
                         help="an item field from a column, as in drama3-tts --column")
     parser.add_argument("--concurrency", type=int, default=1, help="generating actors (model copies)")
@@ -134,24 +135,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    from .cli_jobs import dataset_columns
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        columns = dataset_columns(args)  # the same mapping flags as drama3-tts --dataset
+    except ValueError as error:
+        parser.error(str(error))
     try:
         import ray
         import ray.data
     except ImportError:
         print(f"drama3-ray: error: {RAY_HINT}", file=sys.stderr)
         return 1
-    columns = {"id": args.id_column, "text": args.text_column}
-    for given in args.column:
-        field, _, name = given.partition("=")
-        columns[field] = name
     settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    ray.init(address=args.address)
+    ray.init(address=args.address, runtime_env={"env_vars": {name: os.environ[name] for name in
+                                                              ("OMP_NUM_THREADS", "PYTHONPATH") if name in os.environ}})
     source = read_source(args.source, ray.data)
     folder = Path(args.source).parent if Path(args.source).is_file() else Path(args.source)
     made = source.map_batches(
         Drama3Predictor, batch_format="pyarrow", batch_size=args.batch_size, concurrency=args.concurrency,
         num_gpus=args.num_gpus, fn_constructor_kwargs={"model": args.model, "columns": columns,
+                                                       "dialogue_column": args.dialogue_column,
                                                        "folder": str(folder.resolve()), "seed": args.seed,
                                                        **settings})
     made.write_parquet(args.output)

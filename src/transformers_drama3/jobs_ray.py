@@ -150,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"drama3-ray: error: {RAY_HINT}", file=sys.stderr)
         return 1
     settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
-    ray.init(address=args.address, runtime_env={"env_vars": {name: os.environ[name] for name in
-                                                              ("OMP_NUM_THREADS", "PYTHONPATH") if name in os.environ}})
+    threads = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}
+    ray.init(address=args.address, runtime_env={"env_vars": threads})  # the actors' thread count, on every node
     source = read_source(args.source, ray.data)
     folder = Path(args.source).parent if Path(args.source).is_file() else Path(args.source)
     made = source.map_batches(

@@ -5,7 +5,7 @@ a `--rows`-row parquet file of texts spoken into an audio dataset by
 2. `accelerate launch --num_processes 1` of the same command (accelerate's start-up, against 1);
 3. `accelerate launch --multi_gpu --num_processes 2` (two processes with a whole model each, on the CPU);
 4. Ray Data: `ray.init(num_cpus=4)` (timed: Ray's start-up), then `map_batches(Drama3Predictor, concurrency=1)` and
-   `concurrency=2` -> `write_parquet` (the file read in 4 blocks per actor: an actor takes a block at a time). Ray's CPUs are scheduling slots, not cores: each actor takes one, and the
+   `concurrency=2` -> `write_parquet` (the file cut into blocks of a batch: an actor takes a block at a time). Ray's CPUs are scheduling slots, not cores: each actor takes one, and the
    reading and writing tasks need slots of their own (with 2 slots, 2 actors would starve them and never finish).
 
 Each command's wall time is measured whole (imports, start-up, loading, the job, writing); the three commands run
@@ -103,7 +103,7 @@ def main() -> None:
     figures["ray_init_s"] = time.perf_counter() - started
     for actors in (1, 2):
         started = time.perf_counter()
-        read_source(str(source), ray.data, blocks=4 * actors).map_batches(
+        read_source(str(source), ray.data, rows_per_block=args.batch_size).map_batches(
             Drama3Predictor, batch_format="pyarrow", batch_size=args.batch_size, concurrency=actors, num_cpus=1,
             fn_constructor_kwargs={"model": checkpoint, "device": "cpu", "columns": {"id": "key", "text": "text"},
                                    "max_new_tokens": args.frames},

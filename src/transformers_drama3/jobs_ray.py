@@ -99,19 +99,19 @@ class Drama3Predictor:
         return kept
 
 
-def read_source(source: str, ray_data, blocks: int | None = None):
+def read_source(source: str, ray_data, rows_per_block: int | None = None):
     """A Ray dataset from parquet or JSON Lines files (a file or a folder of them), or `hf:ID` (a Hub dataset through
-    🤗 datasets), in at least `blocks` blocks: an actor takes a block at a time, so one file read as one block would
-    keep every actor but one idle."""
+    🤗 datasets), cut into blocks of `rows_per_block` rows (streaming): an actor takes a block at a time, so a file
+    read as one block would keep every actor but one idle."""
     if source.startswith("hf:"):
         import datasets
 
-        return ray_data.from_huggingface(datasets.load_dataset(source[3:], split="train"), override_num_blocks=blocks)
-    path = Path(source)
-    suffixes = {each.suffix for each in path.iterdir()} if path.is_dir() else {path.suffix}
-    if suffixes & {".json", ".jsonl"}:
-        return ray_data.read_json(source, override_num_blocks=blocks)
-    return ray_data.read_parquet(source, override_num_blocks=blocks)
+        read = ray_data.from_huggingface(datasets.load_dataset(source[3:], split="train"))
+    else:
+        path = Path(source)
+        suffixes = {each.suffix for each in path.iterdir()} if path.is_dir() else {path.suffix}
+        read = ray_data.read_json(source) if suffixes & {".json", ".jsonl"} else ray_data.read_parquet(source)
+    return read if rows_per_block is None else read.repartition(target_num_rows_per_block=rows_per_block)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = {} if args.max_new_tokens is None else {"max_new_tokens": args.max_new_tokens}
     threads = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}
     ray.init(address=args.address, runtime_env={"env_vars": threads})  # the actors' thread count, on every node
-    source = read_source(args.source, ray.data, blocks=4 * args.concurrency)
+    source = read_source(args.source, ray.data, rows_per_block=args.batch_size)
     folder = Path(args.source).parent if Path(args.source).is_file() else Path(args.source)
     made = source.map_batches(
         Drama3Predictor, batch_format="pyarrow", batch_size=args.batch_size, concurrency=args.concurrency,

@@ -260,8 +260,10 @@ def test_two_ranks_share_a_six_item_job_and_make_the_same_files(job, tmp_path):
     assert {record["rank"] for record in split.values() if record["status"] == "done"} == {0, 1}
     made = files(tmp_path / "out")
     assert made == {name: data for name, data in files(out).items() if name.split(".")[0] in split}
-    single = {key: {**value, "line": None} for key, value in what_was_made(results(out)).items() if key in split}
-    assert {key: {**value, "line": None} for key, value in what_was_made(split).items()} == single  # lines moved
+    assert "cut.flac" in split[BAD_ITEM]["error"]
+    moved = {"line": None, "error": None}  # other lines, and the recording's path in another folder
+    single = {key: {**value, **moved} for key, value in what_was_made(results(out)).items() if key in split}
+    assert {key: {**value, **moved} for key, value in what_was_made(split).items()} == single
 
 
 def test_every_problem_is_reported_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):

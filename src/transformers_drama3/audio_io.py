@@ -132,7 +132,10 @@ def audio_file_info(path: str | os.PathLike, where: str) -> tuple[int, int]:
 
 def read_audio_file(path: str | os.PathLike, where: str) -> tuple[np.ndarray, int]:
     """Float32 mono samples `[L]` (channels averaged) and the sampling rate of an audio file."""
-    samples, rate = soundfile().read(str(path), dtype="float32", always_2d=True)  # [L, C]
+    try:
+        samples, rate = soundfile().read(str(path), dtype="float32", always_2d=True)  # [L, C]
+    except soundfile().LibsndfileError as error:  # a header that reads, over data that does not (a cut file)
+        raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
     if samples.shape[0] == 0:
         raise ValueError(f"{where}: audio file {str(path)!r} holds no samples")
     return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate

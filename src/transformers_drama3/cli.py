@@ -6,6 +6,7 @@
     drama3-tts --tiny "Hello there." -o - | ffplay -nodisp -autoexit -
     torchrun --nproc-per-node 2 -m transformers_drama3.cli --model DIR "Hello." -o hello.wav --parallel tensor
     drama3-tts --model DIR --manifest jobs.jsonl --output-dir out/ --seed 1   (docs/scaling.md)
+    drama3-tts --model DIR --dataset texts.parquet --output-dataset out/      (docs/scaling.md)
 
 Everything about a request is checked before the model loads: the command line, the sampling settings (by
 `generation_settings`, the model's own rules), the device, the text, the output path, the checkpoint's location,
@@ -33,6 +34,7 @@ import sys
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
+from .cli_jobs import JobInput, add_job_arguments, check_job_usage, failed_message, is_job
 from .cli_output import STDOUT, STDOUT_FORMATS, ReaderGone, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 from .loading import (
     default_threads_wait_passively,
@@ -98,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
                           help=f"long text is spoken in chunks of at most this many UTF-8 bytes (default 300, at "
                           f"least {MIN_CHUNK_BYTES})")
 
-    jobs = parser.add_argument_group("manifest jobs", "many texts into many files, resumable (docs/scaling.md); "
-                                      "under torchrun each rank takes a share with a whole model (--parallel: one "
-                                      "model split over all ranks)")
-    jobs.add_argument("--manifest", type=Path, metavar="JOBS.jsonl", help="speak every item of this JSON Lines file")
-    jobs.add_argument("--output-dir", type=Path, metavar="DIR", help="where the item files and results.jsonl go")
-    jobs.add_argument("--batch-size", type=int, default=8, metavar="N",
-                      help="items generated together, grouped by length (default 8)")
+    add_job_arguments(parser)
 
     run = parser.add_argument_group("running")
     run.add_argument("--stream", action="store_true",
@@ -135,8 +131,8 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                      "torchrun --nproc-per-node N -m transformers_drama3.cli ...")
     if under_torchrun() and args.device != "auto":
         parser.error("under torchrun each rank uses GPU LOCAL_RANK (or the CPU): leave --device out")
-    if args.manifest is not None or args.output_dir is not None:
-        check_manifest_usage(parser, args)
+    if is_job(args):
+        check_job_usage(parser, args)
         return
     if args.summary:
         speech_flags = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
@@ -176,21 +172,6 @@ def check_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
                          "leave out one or the other")
     if args.chunk_bytes < MIN_CHUNK_BYTES:
         parser.error(f"--chunk-bytes must be at least {MIN_CHUNK_BYTES}; got {args.chunk_bytes}")
-
-
-def check_manifest_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """A manifest job takes its texts, voices and outputs from the manifest: refuse the flags of a single run."""
-    if args.manifest is None or args.output_dir is None:
-        parser.error("--manifest JOBS.jsonl and --output-dir DIR go together")
-    single = (("TEXT", args.text), ("--text-file", args.text_file), ("--output", args.output),
-              ("--reference", args.reference), ("--voice", args.voice), ("--save-voice", args.save_voice),
-              ("--stream", args.stream), ("--summary", args.summary))
-    given = [flag for flag, value in single if value]
-    if given:
-        parser.error(f"a --manifest job takes its texts, voices and formats from the manifest: leave out "
-                     f"{', '.join(given)}")
-    if args.batch_size < 1:
-        parser.error(f"--batch-size must be at least 1; got {args.batch_size}")
 
 
 def generation_flags(args: argparse.Namespace) -> dict:
@@ -274,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
                 from .jobs import JOB_COLLECTIVE_TIMEOUT
 
                 # A manifest job's ranks meet only at its end, after their last batches, which may differ by hours.
-                parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if args.manifest is not None else None)
+                parallel.init_process_group(timeout=JOB_COLLECTIVE_TIMEOUT if is_job(args) else None)
                 notes.quiet = args.quiet = args.quiet or not parallel.is_main_process()  # one voice: rank 0's
             return _run(args, flags, notes)
     except ReaderGone:  # `-o - | head`: the reader has what it wanted
@@ -366,8 +347,8 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
 
     device, dtype = resolve_device_and_dtype(args.device, args.dtype)
     notes.on_cpu = device == "cpu"
-    if args.manifest is not None:
-        return _run_manifest(args, flags, notes, device, dtype)
+    if is_job(args):
+        return _run_job(args, flags, notes, device, dtype)
     text, voices = _on_main_process(_read_inputs, args)
     path = _checkpoint(args)
     if args.summary:
@@ -409,32 +390,35 @@ def _run(args: argparse.Namespace, flags: dict, notes: _Notes) -> int:
     return 0
 
 
-def _run_manifest(args: argparse.Namespace, flags: dict, notes: _Notes, device, dtype) -> int:
-    """`--manifest`: the manifest read and its items' files checked before the model loads, then the job
-    (`transformers_drama3.jobs`); under torchrun a whole model per rank unless --parallel splits one over all."""
-    from .jobs import plan_job, read_manifest, run_job
+def _run_job(args: argparse.Namespace, flags: dict, notes: _Notes, device, dtype) -> int:
+    """`--manifest` / `--dataset`: every line or row and the items' files checked before the model loads, then the
+    job (`transformers_drama3.jobs`); under torchrun a whole model per rank unless --parallel splits one over all."""
+    from .jobs import plan_job, run_job
     from .processing_drama3 import Drama3Processor
 
-    items = _on_main_process(read_manifest, args.manifest, args.seed or 0, flags)  # before any download
+    job = JobInput(args, flags)
+    items = _on_main_process(job.read)  # before any download
     path = _checkpoint(args)
     processor = _loaded(Drama3Processor.from_pretrained, path)
-    plan = _on_main_process(lambda: plan_job(items, args.output_dir, processor, batch_size=args.batch_size,
-                                             chunk_bytes=args.chunk_bytes))
+    copies = 1
     if under_torchrun() and args.parallel is None:
         from . import parallel
 
-        notes.say(f"loading {args.model or 'the tiny checkpoint'}: a whole model on each of "
-                  f"{parallel.world_size()} ranks")
+        copies = parallel.world_size()
+    plan = _on_main_process(lambda: plan_job(items, job.files_dir, processor, batch_size=args.batch_size,
+                                             chunk_bytes=args.chunk_bytes, shares=copies))
+    if copies > 1:
+        notes.say(f"loading {args.model or 'the tiny checkpoint'}: a whole model on each of {copies} ranks")
         model = _loaded(load_model, path, device, dtype)
     else:
         model = _load(args, notes, path, device, dtype)
     summary = run_job(model, processor, plan, show_progress=not args.quiet)
+    written = job.finish(plan.items, processor) if is_main_process() else None
     notes.say_all()
     notes.say(f"{summary.done} items spoken ({summary.seconds:.1f} s of audio), {summary.skipped} done before, "
-              f"{summary.failed} failed: {summary.results}")
+              f"{summary.failed} failed: {written}")
     if summary.failed:
-        raise CommandError(f"{summary.failed} item(s) failed; their errors are in {summary.results} "
-                           "(rerun the same command to retry them)")
+        raise CommandError(failed_message(summary))
     return 0
 
 

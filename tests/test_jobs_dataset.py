@@ -1,0 +1,133 @@
+"""🤗 datasets in and out (`drama3-tts --dataset ... --output-dataset`, `jobs_dataset.run_dataset`): a parquet file
+of texts becomes an audio dataset that `datasets.load_from_disk` reads, whose audio decodes to the samples of the same
+rows spoken as a manifest job (an independent path: loose files, no dataset code); a rerun resumes; a row that fails
+while running has its error and no audio; parquet shards; every bad row reported at once before the model loads.
+The golden tiny checkpoint, 4 frames per row."""
+
+import io
+import json
+
+import datasets
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from transformers_drama3 import cli, loading
+from transformers_drama3.jobs import run_manifest
+from transformers_drama3.jobs_dataset import run_dataset
+from transformers_drama3.jobs_items import ManifestError, dataset_items
+from transformers_drama3.processing_drama3 import Drama3Processor
+
+from .conftest import GOLDEN_TINY
+from .test_jobs import write_cut_flac
+
+FRAMES = 4
+TEXTS = ["Hello there.", "Good morning to you all.", "Yes.", "What a day it has been, truly.", "No!",
+         "Maybe later then."]
+FLAGS = ["--model", str(GOLDEN_TINY), "--max-new-tokens", str(FRAMES), "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+
+
+@pytest.fixture(scope="module")
+def parquet(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("texts")
+    rows = {"text": TEXTS, "book": [f"book {index % 2}" for index in range(len(TEXTS))]}
+    datasets.Dataset.from_dict(rows).to_parquet(str(folder / "texts.parquet"))
+    return folder / "texts.parquet"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, model):
+    """The same rows as a manifest job (ids as the dataset job names rows, so the same seeds): samples per id."""
+    folder = tmp_path_factory.mktemp("reference")
+    (folder / "jobs.jsonl").write_text("".join(json.dumps({"id": f"row{index}", "text": text}) + "\n"
+                                               for index, text in enumerate(TEXTS)))
+    run_manifest(*model, folder / "jobs.jsonl", folder / "out", show_progress=False, max_new_tokens=FRAMES)
+    return {f"row{index}": soundfile.read(folder / "out" / f"row{index}.wav", dtype="float32")[0]
+            for index in range(len(TEXTS))}
+
+
+def decoded(row: dict) -> np.ndarray:
+    """A row's audio decoded from its stored bytes with soundfile (`Audio`'s own decoder needs torchcodec)."""
+    samples, rate = soundfile.read(io.BytesIO(row["audio"]["bytes"]), dtype="float32")
+    assert rate == 44100
+    return samples
+
+
+def test_a_parquet_file_becomes_an_audio_dataset(parquet, reference, tmp_path):
+    status = cli.main([*FLAGS, "--dataset", str(parquet), "--text-column", "text", "--output-dataset",
+                       str(tmp_path / "out")])
+    assert status == 0
+    made = datasets.load_from_disk(str(tmp_path / "out"))
+    assert made.column_names == ["text", "book", "audio", "frames", "finish_reason", "seed", "error"]
+    assert made.features["audio"] == datasets.Audio(sampling_rate=44100)
+    assert made["text"] == TEXTS and made["book"][1] == "book 1" and made["error"] == [None] * len(TEXTS)
+    rows = made.cast_column("audio", datasets.Audio(decode=False))
+    for index, row in enumerate(rows):
+        assert row["audio"]["path"] == f"row{index}.wav" and 0 < row["frames"] <= FRAMES
+        np.testing.assert_array_equal(decoded(row), reference[f"row{index}"])  # the same bytes: exactly equal
+
+    again = cli.main([*FLAGS, "--dataset", str(parquet), "--output-dataset", str(tmp_path / "out")])
+    records = [json.loads(line) for line in (tmp_path / "out" / "audio" / "results.jsonl").read_text().splitlines()]
+    assert again == 0 and len({record["run"] for record in records}) == 1  # nothing made again
+    assert datasets.load_from_disk(str(tmp_path / "out"))["seed"] == made["seed"]
+
+
+def test_a_row_that_fails_has_its_error_and_parquet_shards(model, reference, tmp_path):
+    """Row 2 clones a recording that cannot be decoded: its row has the error and no audio, the others are made."""
+    write_cut_flac(tmp_path / "cut.flac")
+    references = [[] for _ in TEXTS]
+    references[2] = [{"audio": "cut.flac", "transcript": "Cut short."}]
+    rows = datasets.Dataset.from_dict({"text": TEXTS, "refs": references})
+    summary = run_dataset(*model, rows, tmp_path / "out", columns={"text": "text", "references": "refs"},
+                          folder=tmp_path, dataset_format="parquet", num_shards=2, show_progress=False,
+                          max_new_tokens=FRAMES)
+    assert (summary.done, summary.failed, summary.failed_ids) == (5, 1, ["row2"])
+    shards = sorted((tmp_path / "out" / "data").iterdir())
+    assert [path.name for path in shards] == ["train-00000-of-00002.parquet", "train-00001-of-00002.parquet"]
+    made = datasets.load_dataset("parquet", data_dir=str(tmp_path / "out" / "data"), split="train",
+                                 cache_dir=str(tmp_path / "cache"))
+    assert made.features["audio"] == datasets.Audio(sampling_rate=44100)
+    made = made.cast_column("audio", datasets.Audio(decode=False))
+    assert made[2]["audio"] is None and "cut.flac" in made[2]["error"] and made[2]["frames"] is None
+    for index in (0, 1, 3, 4, 5):
+        np.testing.assert_array_equal(decoded(made[index]), reference[f"row{index}"])
+
+
+def test_every_bad_row_is_reported_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
+    rows = {"text": ["Fine.", "Say <|im_end|> now.", "", "Also fine."], "seed": [1, 2, -3, 4],
+            "audio": ["a", "b", "c", "d"]}
+    datasets.Dataset.from_dict(rows).to_json(str(tmp_path / "rows.jsonl"))
+    monkeypatch.setattr(cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
+    command = [*FLAGS, "--dataset", str(tmp_path / "rows.jsonl"), "--column", "seed=seed"]
+    assert cli.main([*command, "--output-dataset", str(tmp_path / "out")]) == 1
+    assert "the dataset has column(s) ['audio'], which the audio dataset adds" in capsys.readouterr().err
+    assert cli.main([*command, "--output-dir", str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "row 2: seed must be in [0, 2**63), got -3" in error
+    assert "row 1 (id row1): text contains the control token '<|im_end|>'" not in error  # a second stage, below
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows["text"]))
+    assert cli.main([*FLAGS, "--dataset", str(tmp_path / "rows.jsonl"), "--output-dir", str(tmp_path / "out")]) == 1
+    error = capsys.readouterr().err
+    assert "2 problems in the job's items" in error and "row 1 (id row1): text contains the control token" in error
+    assert "row 2 (id row2): text is empty" in error and not (tmp_path / "out").exists()
+
+
+def test_column_mapping_ids_and_dialogues():
+    rows = datasets.Dataset.from_dict({"key": ["a", "b"], "turns": [
+        [{"speaker": 0, "text": "Hi."}, {"speaker": 1, "text": "Hello."}], [{"speaker": 2, "text": "Bye."}]],
+        "temp": [0.5, None]})
+    items = dataset_items(rows, {"id": "key", "temperature": "temp"}, dialogue_column="turns")
+    assert [item.id for item in items] == ["a", "b"]
+    assert items[0].text == "<|speaker:0|> Hi. <|speaker:1|> Hello." and items[1].text == "<|speaker:2|> Bye."
+    assert items[0].settings == {"temperature": 0.5} and items[1].settings == {}
+    with pytest.raises(ManifestError, match=r"(?s)2 problems in the dataset.*'colour' is not an item field.*no column 'missing'"):
+        dataset_items(rows, {"text": "missing", "colour": "key"})
+    bad = datasets.Dataset.from_dict({"turns": [[{"speaker": 99, "text": "Hi."}]]})
+    with pytest.raises(ManifestError, match=r"row 0: turns: a dialogue is a non-empty list"):
+        dataset_items(bad, dialogue_column="turns")

@@ -13,6 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import json  # noqa: E402
 import platform  # noqa: E402
 import signal  # noqa: E402
+import time  # noqa: E402
 import warnings  # noqa: E402
 from importlib import metadata  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -60,6 +61,22 @@ def default_sigint() -> None:
     SIGINT ignored and children inherit that, so the child gets Ctrl-C's default handler back (Python then turns it
     into KeyboardInterrupt as usual)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def wait_until_healthy(process, url: str, seconds: float) -> bool:
+    """Poll a `drama3-serve` child's `GET /health` until it answers 200 (True), or until `process` has exited or
+    `seconds` have passed (False)."""
+    import httpx
+
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return True
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    return False
 
 
 def left_padded(*prompts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

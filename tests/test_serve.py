@@ -32,7 +32,7 @@ from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.synthesis import synthesize
 from transformers_drama3.voice import Drama3Voice
 
-from .conftest import GOLDEN_TINY, default_sigint
+from .conftest import GOLDEN_TINY, default_sigint, wait_until_healthy
 from .test_audio_formats import decode_adts
 
 KEY = "test-key"
@@ -604,13 +604,7 @@ def test_drama3_serve_command(tmp_path):
                     time.sleep(0.01)
             assert "Application startup complete" not in log.read_text()
             url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + TIMEOUT
-            while time.monotonic() < deadline and process.poll() is None:
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    time.sleep(0.2)
+            assert wait_until_healthy(process, url, TIMEOUT), log.read_text()
             response = httpx.post(f"{url}/v1/audio/speech", json={"model": "drama3-tiny", "input": "A secret sentence.",
                                                                   "response_format": "wav", "seed": 0}, timeout=TIMEOUT)
             assert response.status_code == 200 and response.content[:4] == b"RIFF"

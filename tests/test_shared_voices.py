@@ -7,7 +7,6 @@ import io
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
 import numpy as np
@@ -17,6 +16,8 @@ import torch
 
 from transformers_drama3 import cli
 from transformers_drama3.voice import VOICE_FILE_SUFFIX, Drama3Voice
+
+from .conftest import wait_until_healthy
 
 TIMEOUT = 120
 SPEAK = {"model": "drama3-tiny", "input": "Hello there.", "response_format": "wav", "seed": 0, "max_new_tokens": 3}
@@ -71,15 +72,7 @@ def replicas(voices, tmp_path_factory):
     try:
         save_voice_with_the_cli(voices)
         for process, url, log in started:
-            deadline = time.monotonic() + TIMEOUT
-            while True:
-                assert process.poll() is None and time.monotonic() < deadline, log.read_text()
-                try:
-                    if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                time.sleep(0.2)
+            assert wait_until_healthy(process, url, TIMEOUT), log.read_text()
         yield [(url, log) for _, url, log in started]
     finally:
         for process, _, _ in started:

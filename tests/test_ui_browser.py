@@ -22,7 +22,7 @@ import httpx
 import numpy as np
 import pytest
 
-from .conftest import default_sigint
+from .conftest import default_sigint, wait_until_healthy
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
 if CHROMIUM is None or CHROMEDRIVER is None:
@@ -64,14 +64,8 @@ class Server:
                    str(self.port), "--voices", str(self.folder / "voices"), "--max-reference-seconds", "5"]
         log = open(self.folder / "server.log", "a")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline and self.process.poll() is None:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        if wait_until_healthy(self.process, self.url, TIMEOUT):
+            return
         raise RuntimeError(f"drama3-serve --ui did not start: {(self.folder / 'server.log').read_text()[-3000:]}")
 
     def stop(self) -> None:

@@ -51,9 +51,10 @@ from configs import build_model, model_config, random_prompt
 from transformers_drama3 import Drama3AudioStreamer
 from transformers_drama3.cuda_graphs import captured_experts
 from transformers_drama3.frame_step import FrameState, attention_window, row_limit
+from transformers_drama3.engine import Drama3Engine
+from transformers_drama3.frame_rules import Drama3FrameSampling
 from transformers_drama3.frame_runner import FrameRunner, KeptStates
 from transformers_drama3.generation_drama3 import generation_settings
-from transformers_drama3.sampling import FrameSampler
 
 MODES = ("eager", "compiled", "graph", "compiled+graph")
 PARTS = ("backbone", "tower", "main-token sampling", "embedding and feedback")
@@ -104,7 +105,8 @@ def loaded_runner(model, prompt: torch.Tensor, seed: int, graphs: bool = False,
         prefill = model(prompt, mask, use_cache=True, logits_to_keep=1)
     if not bool(torch.isfinite(prefill.last_hidden_state).all()):
         raise RuntimeError("the backbone gave non-finite hidden states after the prefill: check the initialisation")
-    runner = FrameRunner(model, graphs, compile_backend, kept=KeptStates(model) if graphs else None)
+    runner = FrameRunner(model, Drama3FrameSampling(), Drama3Engine.frame_criteria(model, settings), graphs,
+                         compile_backend, kept=KeptStates(model) if graphs else None)
     batch = prompt.shape[0]
     runner.admit(list(range(batch)), prefill, prompt, mask, [settings] * batch, [None] * batch, [10**9] * batch)
     runner.one_stream = True
@@ -112,12 +114,14 @@ def loaded_runner(model, prompt: torch.Tensor, seed: int, graphs: bool = False,
     return runner
 
 
-def loaded_state(model, prompt: torch.Tensor, seed: int) -> tuple[FrameState, int]:
-    """The state of `loaded_runner` with its noise drawn, and the attention window of its next step."""
+def loaded_state(model, prompt: torch.Tensor, seed: int) -> tuple[FrameState, int, tuple]:
+    """The state of `loaded_runner` with its noise drawn, the attention window of its next step, and the rules its
+    step runs (the sampling rule and the device criteria)."""
     runner = loaded_runner(model, prompt, seed)
     state = runner.state
     state.sampler.fill_noise(state.noise, runner.shared_generator)
-    return state, attention_window(state.pointer + 1, row_limit(model.config.text_config.max_position_embeddings))
+    window = attention_window(state.pointer + 1, row_limit(model.config.text_config.max_position_embeddings))
+    return state, window, (runner.sampling, runner.stopping)
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -173,7 +177,7 @@ def parts_of_the_step(model, counter: OpCounter):
     tag(model.backbone, "forward", "backbone")
     tag(model.tower, "decode_codes", "tower")
     tag(FrameState, "main_logits", "main-token sampling")
-    tag(FrameSampler, "main", "main-token sampling")
+    tag(Drama3FrameSampling, "main", "main-token sampling")
     try:
         yield
     finally:
@@ -186,12 +190,12 @@ def parts_of_the_step(model, counter: OpCounter):
 
 def eager_kernels(model, prompt: torch.Tensor, seed: int) -> dict:
     """Dispatched kernel-launching ATen operations of one eager step, per part, with the top operations."""
-    state, visible = loaded_state(model, prompt, seed)
+    state, visible, rules = loaded_state(model, prompt, seed)
     with torch.no_grad():
-        state.step(visible)  # lazy initialisations happen outside the count
+        state.step(visible, *rules)  # lazy initialisations happen outside the count
         counter = OpCounter()
         with parts_of_the_step(model, counter), counter:
-            state.step(visible)
+            state.step(visible, *rules)
     total = sum((c for c in counter.counts.values()), Counter())
     return {"per_part": {part: sum(c.values()) for part, c in counter.counts.items()}, "total": sum(total.values()),
             "top_ops": dict(total.most_common(12))}
@@ -205,12 +209,12 @@ def compiled_kernels(model, prompt: torch.Tensor, seed: int) -> dict:
     the compile time."""
     from torch._inductor.utils import run_and_get_code
 
-    state, visible = loaded_state(model, prompt, seed)
+    state, visible, rules = loaded_state(model, prompt, seed)
     torch._dynamo.reset()
     compiled = torch.compile(state.step, fullgraph=True, dynamic=False)
     start = time.perf_counter()
     with torch.no_grad():
-        _, sources = run_and_get_code(compiled, visible)
+        _, sources = run_and_get_code(compiled, visible, *rules)
     seconds = time.perf_counter() - start
     kinds = Counter()
     for source in sources:

@@ -24,8 +24,10 @@ from types import SimpleNamespace
 import torch
 
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.frame_rules import Drama3FrameSampling
 from transformers_drama3.sampling import FrameSampler
 
+RULE = Drama3FrameSampling()
 CANDIDATES, CODEBOOKS, HISTORY = 4097, 10, 16
 MIXED = [dict(), dict(do_sample=False), dict(temperature=0.7, top_p=0.8, top_k=50), dict(ras_window=0, temperature=1.2)]
 
@@ -49,10 +51,16 @@ def old_sampler(module, case: str):
 
 
 def frame(sampler, logits, heads, history, noise) -> None:
-    """One frame's draws: the main token, then codebooks 1..9 (each from its head's logits)."""
-    sampler.main(logits, history, noise)
+    """One frame's draws: the main token, then codebooks 1..9 (each from its head's logits). The sampler of an older
+    `src` (`old_sampler`) draws by itself; this one's settings are drawn from by `Drama3FrameSampling`."""
+    if not isinstance(sampler, FrameSampler):
+        sampler.main(logits, history, noise)
+        for index in range(1, CODEBOOKS):
+            sampler.codebook(heads[index - 1], index, noise)
+        return
+    RULE.main(logits, history, sampler, noise)
     for index in range(1, CODEBOOKS):
-        sampler.codebook(heads[index - 1], index, noise)
+        RULE.codebook(heads[index - 1], index, sampler, noise)
 
 
 def cpu_ms_per_frame(sampler, inputs, frames: int) -> float:

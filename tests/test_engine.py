@@ -105,7 +105,8 @@ def test_a_request_queued_at_the_front_is_admitted_before_those_waiting(model, p
     engine.add_request(prompts[2], request_id="front", do_sample=False, max_new_tokens=2, front=True)
     engine.step()  # the running request makes its last frame and leaves
     engine.step()  # its row goes to the front request
-    assert [r.request_id for r in engine.waiting] == ["waiting"] and "front" in engine.runner.running
+    assert [[r.request_id for r in a.requests] for a in engine.waiting] == [["waiting"]]
+    assert "front" in engine.runner.running
 
 
 def test_cancel_while_waiting_and_while_running(model, prompts):

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from transformers_drama3.engine import Drama3Engine
+from transformers_drama3.frame_rules import Drama3FrameSampling
 from transformers_drama3.frame_runner import FrameRunner
 from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
 from transformers_drama3.sampling import (
@@ -26,6 +28,7 @@ from .conftest import left_padded
 NUM_CANDIDATES = 33  # V + 1 main-token candidates (column 0: EOS), V = 32 codes per head
 NUM_CODEBOOKS = 3
 HISTORY = 6  # the mixed sampler's RAS history width
+RULE = Drama3FrameSampling()  # holds no settings: it draws from a FrameSampler's per-row tensors
 # One row each: greedy, several temperatures / top-p / top-k, RAS windows 0, shorter than and longer than the history.
 ROW_SETTINGS = [
     dict(do_sample=False, temperature=0),  # a greedy row's other settings may be anything
@@ -103,12 +106,12 @@ def test_each_rows_draws_are_those_of_a_batch_of_one_with_its_settings(inputs):
     differ = 0
     for _ in range(64):
         noise = torch.rand(len(ROW_SETTINGS), NUM_CODEBOOKS, NUM_CANDIDATES, generator=generator)
-        main = sampler.main(logits, history, noise)  # [R]
-        codes = sampler.codebook(heads, 2, noise)
+        main = RULE.main(logits, history, sampler, noise)  # [R]
+        codes = RULE.codebook(heads, 2, sampler, noise)
         for row, (single, width) in enumerate(singles):
             window = history[row : row + 1, HISTORY - width :]
-            assert main[row] == single.main(logits[row : row + 1], window, noise[row : row + 1])[0]
-            assert codes[row] == single.codebook(heads[row : row + 1], 2, noise[row : row + 1])[0]
+            assert main[row] == RULE.main(logits[row : row + 1], window, single, noise[row : row + 1])[0]
+            assert codes[row] == RULE.codebook(heads[row : row + 1], 2, single, noise[row : row + 1])[0]
         assert main[0] == logits[0].argmax() and codes[0] == heads[0].argmax()  # the greedy row
         differ += int(main[1] != logits[1].argmax())
     assert differ > 0  # the sampled rows do draw
@@ -118,8 +121,8 @@ def test_a_greedy_sampler_is_a_plain_argmax_and_changing_settings_keeps_the_key_
     logits, heads, history = inputs
     sampler = FrameSampler(len(ROW_SETTINGS), HISTORY)
     assert sampler.key == (False,)
-    assert torch.equal(sampler.main(logits, history, None), logits.argmax(-1))
-    assert torch.equal(sampler.codebook(heads, 1, None), heads.argmax(-1))
+    assert torch.equal(RULE.main(logits, history, sampler, None), logits.argmax(-1))
+    assert torch.equal(RULE.codebook(heads, 1, sampler, None), heads.argmax(-1))
     noise = torch.full((len(ROW_SETTINGS), NUM_CODEBOOKS, NUM_CANDIDATES), 0.5)
     sampler.fill_noise(noise, torch.Generator().manual_seed(0))
     assert (noise == 0.5).all()  # greedy: no noise drawn
@@ -145,9 +148,9 @@ def test_copied_rows_draw_as_the_rows_they_copy(inputs):
     moved.copy_rows(sampler, order)
     assert moved.sampled_rows == [True, False, True, False]
     noise = torch.rand(len(ROW_SETTINGS), NUM_CODEBOOKS, NUM_CANDIDATES, generator=torch.Generator().manual_seed(2))
-    expected = sampler.main(logits, history, noise)[order]
+    expected = RULE.main(logits, history, sampler, noise)[order]
     padded = torch.cat((order, order[:1]))  # the fourth row keeps its (greedy) settings
-    assert torch.equal(moved.main(logits[padded], history[padded], noise[padded])[:3], expected)
+    assert torch.equal(RULE.main(logits[padded], history[padded], moved, noise[padded])[:3], expected)
     narrow = FrameSampler(2, 2)  # a shorter history cuts the windows
     narrow.copy_rows(sampler, torch.tensor([4, 1]))
     assert narrow.ras_window.tolist() == [2, 2]
@@ -203,16 +206,16 @@ def test_a_batch_with_settings_per_sequence_gives_each_its_frames_alone(golden_m
     batch, mask = left_padded(*prompts)
     checked = [generation_settings(model.generation_config, **changes) for changes in STEP_SETTINGS]
     prefill = model.prefill(batch, mask)
-    runner = FrameRunner(model)  # eager: each step reads exactly the slots in use
+    runner = FrameRunner(model, RULE, Drama3Engine.frame_criteria(model, model.generation_config))  # eager
     generators = [torch.Generator().manual_seed(seed) for seed in SEEDS]
     runner.admit([0, 1, 2], prefill, batch, mask, checked, generators, [FRAMES] * 3)
     frames = [[] for _ in prompts]
     for step in range(FRAMES):
         runner.step()
-        rows, keys = runner.rows()
-        for row, key in zip(rows, keys):
-            if runner.state.made[row]:
-                frames[key].append(runner.state.new_rows[row, 1:].clone())
+        slots, keys = runner.taken()
+        for slot, key in zip(slots, keys):
+            if runner.state.made[slot]:
+                frames[key].append(runner.state.new_rows[slot, 1:].clone())
     for index, (prompt, changes, seed) in enumerate(zip(prompts, STEP_SETTINGS, SEEDS)):
         alone = model.generate(prompt[None], seed=seed, max_new_tokens=FRAMES, output_audio=False, **changes)
         made = torch.stack(frames[index], dim=1) if frames[index] else alone.codes[0][:, :0]

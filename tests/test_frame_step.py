@@ -23,8 +23,10 @@ import torch
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cuda_graphs import captured_experts
-from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.frame_runner import FrameLoop, kept_states
+from transformers_drama3.frame_step import WINDOW_CHUNK, FrameState, attention_window, row_limit
+from transformers_drama3.engine import Drama3Engine
+from transformers_drama3.frame_rules import Drama3FrameSampling
+from transformers_drama3.frame_runner import FrameRunner, kept_states
 from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.streaming import Drama3AudioStreamer
@@ -113,8 +115,8 @@ def test_hidden_states_across_an_attention_window_crossing_equal_the_uncached_fo
     rows = torch.cat([expected["prompt_b_rows"]] * 4)[:250][None]
     hidden, capacities, step = [], [], FrameState.step
 
-    def recording_step(state, visible, hook=None):
-        step(state, visible, hook)
+    def recording_step(state, visible, sampling, stopping, hook=None):
+        step(state, visible, sampling, stopping, hook)
         hidden.append(state.hidden.clone())
         capacities.append(state.capacity)
 
@@ -154,6 +156,11 @@ def loaded_state(model, prompt, **settings):
     return state, visible
 
 
+def step_rules(model) -> tuple:
+    """The sampling rule and device criteria a step runs (those of an engine with the model's settings)."""
+    return Drama3FrameSampling(), Drama3Engine.frame_criteria(model, model.generation_config)
+
+
 def state_tensors(state) -> dict[str, torch.Tensor]:
     tensors = {name: value for name, value in vars(state).items() if isinstance(value, torch.Tensor)}
     for prefix, cache in (("backbone", state.cache), ("tower", state.tower_cache)):
@@ -175,14 +182,14 @@ def test_step_updates_every_buffer_in_place(model, prompt):
     snapshot = {name: tensor.clone() for name, (tensor, _) in before.items()}
     state.sampler.fill_noise(state.noise, torch.Generator().manual_seed(0))
     with torch.no_grad():
-        state.step(visible)
+        state.step(visible, *step_rules(model))
     after = state_tensors(state)
     assert after.keys() == before.keys()
     for name, (tensor, pointer) in before.items():
         assert after[name] is tensor and tensor.data_ptr() == pointer, name
     changed = {name for name, (tensor, _) in before.items() if not torch.equal(tensor, snapshot[name])}
     # Every kind of state moved: the new row, the slot, the caches (KV and linear attention), the RAS window.
-    assert {"new_rows", "slot", "position", "hidden", "history", "valid", "count"} <= changed
+    assert {"new_rows", "write_at", "position", "hidden", "history", "valid", "count"} <= changed
     assert any(name.endswith("recurrent_states.0") for name in changed)
     assert any(name.startswith("tower.") and name.endswith("keys") for name in changed)
 
@@ -194,7 +201,7 @@ def test_step_traces_as_one_graph_without_breaks(model, prompt):
     with captured_experts(model):
         state, visible = loaded_state(model, prompt)
         with torch.no_grad():
-            explanation = torch._dynamo.explain(state.step)(visible)
+            explanation = torch._dynamo.explain(state.step)(visible, *step_rules(model))
     torch._dynamo.reset()
     assert explanation.graph_break_count == 0, [reason.reason for reason in explanation.break_reasons]
     assert explanation.graph_count == 1
@@ -232,19 +239,20 @@ def test_compile_step_must_be_a_bool_or_a_backend_name(model, prompt):
 
 
 def test_eager_calls_keep_no_state_and_memory_follows_the_frames(model, prompt, monkeypatch):
-    """Without CUDA graphs a call's states are dropped at its end; a huge max_new_tokens sizes nothing: the output
-    buffer and the state hold the rows of the frames made (the golden run stops after 12 frames)."""
-    sizes = {}
-    run = FrameLoop.run
+    """Without CUDA graphs a call's states are dropped at its end; a huge max_new_tokens sizes nothing: the state
+    holds one window of cache positions and the output the frames made (the golden run stops after 12 frames)."""
+    capacities = []
+    close = FrameRunner.close
 
-    def spy(loop, on_step):
-        run(loop, on_step)
-        sizes["output"] = loop.sequences.shape[1] - loop.rows
+    def spy(runner):
+        capacities.append(runner.state.capacity if runner.state is not None else None)
+        close(runner)
 
-    monkeypatch.setattr(FrameLoop, "run", spy)
+    monkeypatch.setattr(FrameRunner, "close", spy)
     out = model.generate(prompt, do_sample=False, max_new_tokens=10**9, output_audio=False)
     assert out.finish_reason == ["eos"] and out.codes[0].shape[1] == 12
-    assert sizes["output"] == 256  # one chunk of output rows
+    assert out.sequences.shape[1] == prompt.shape[1] + 12
+    assert capacities == [WINDOW_CHUNK]  # the smallest attention window holds prompt and frames
     assert kept_states(model).states == {}
 
 

@@ -21,7 +21,8 @@ from transformers.generation import GenerateDecoderOnlyOutput
 from transformers.generation.streamers import BaseStreamer
 
 from transformers_drama3 import FishOmniForSpeech, generation_drama3
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, Drama3FrameLimit, generation_settings
+from transformers_drama3.frame_rules import Drama3EndOfSpeech, Drama3FrameLimit, Drama3FrameSampling
+from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
 from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.sampling import RepetitionAwareLogitsProcessor, TopKTopPWarper, draw
 from transformers_drama3.testing import write_tiny_checkpoint
@@ -363,27 +364,52 @@ def test_settings_that_do_not_apply_are_named(model, prompt):
 
 def test_generate_runs_transformers_generate_with_the_drama3_hooks(model, prompt, monkeypatch):
     """`generate` is `GenerationMixin.generate`: its hooks give `_sample` the merged settings, the user's processors
-    then Drama 3's main-token rule (when sampling), and the user's criteria then the frame limit."""
-    seen = []
+    then Drama 3's sampling rule, and the user's criteria then EOS and the frame limit; and the objects `_sample`
+    receives are the ones that run (each is seen called on its own instance during the frames)."""
+    seen, ran = [], []
     sample = type(model)._sample
 
     def spy(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs):
         seen.append((list(logits_processor), list(stopping_criteria), generation_config))
         return sample(self, input_ids, logits_processor, stopping_criteria, generation_config, **kwargs)
 
+    def record(cls, name):
+        original = getattr(cls, name)
+
+        def called(self, *args, **kwargs):
+            ran.append(self)
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, called)
+
     monkeypatch.setattr(type(model), "_sample", spy)
-    user = TopKLogitsWarper(top_k=1)  # reads only the scores: applies to the candidate logits as to text logits
-    out = model.generate(prompt, seed=0, max_new_tokens=3, logits_processor=[user], output_scores=True,
-                         ras_window=4, output_audio=False)
+    for cls, name in ((Drama3FrameSampling, "main"), (Drama3FrameSampling, "codebook"),
+                      (Drama3EndOfSpeech, "__call__"), (Drama3FrameLimit, "__call__")):
+        record(cls, name)
+
+    class Never(StoppingCriteria):  # a user's own criterion: called on the host after each frame
+        def __call__(self, input_ids, scores, **kwargs):
+            ran.append(self)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    user, never = TopKLogitsWarper(top_k=1), Never()  # the warper reads only the scores: it applies to frames
+    record(TopKLogitsWarper, "__call__")
+    out = model.generate(prompt, seed=0, max_new_tokens=3, logits_processor=[user], stopping_criteria=[never],
+                         output_scores=True, ras_window=4, output_audio=False)
     processors, criteria, settings = seen[-1]
     assert isinstance(out, GenerateDecoderOnlyOutput) and settings.ras_window == 4 and settings.top_p == 0.9
-    assert processors[0] is user and isinstance(processors[1], RepetitionAwareLogitsProcessor)
-    assert processors[1].window == 4 and processors[1].first.top_p == 0.9 and processors[1].second.top_k == 30
-    assert isinstance(criteria[-1], Drama3FrameLimit) and criteria[-1].max_length == prompt.shape[1] + 3
+    assert processors[0] is user and isinstance(processors[1], Drama3FrameSampling) and len(processors) == 2
+    assert criteria[0] is never and [type(c) for c in criteria[1:]] == [Drama3EndOfSpeech, Drama3FrameLimit]
+    assert {id(item) for item in ran} == {id(item) for item in processors + criteria}  # all ran, nothing else did
+    assert criteria[-1].limit(prompt.shape[1]) == (3, "length")
     assert all(int(torch.isfinite(scores[0]).sum()) == 1 for scores in out.scores)  # top-1 after the user's warper
+    ran.clear()
     model.generate(prompt, do_sample=False, max_new_tokens=10**9, output_audio=False)
     processors, criteria, _ = seen[-1]
-    assert processors == [] and criteria[-1].max_length == model.config.text_config.max_position_embeddings + 1
+    assert [type(p) for p in processors] == [Drama3FrameSampling] and len(criteria) == 2
+    assert {id(item) for item in ran} == {id(item) for item in processors + criteria}
+    context = model.config.text_config.max_position_embeddings
+    assert criteria[-1].limit(prompt.shape[1]) == (context + 1 - prompt.shape[1], "context")
 
 
 def test_transformers_processors_and_criteria_for_text_tokens_are_refused(model, prompt, monkeypatch):

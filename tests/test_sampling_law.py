@@ -234,6 +234,7 @@ def test_a_batch_with_different_settings_per_row_draws_each_row_from_its_own_law
     `draw_rule` (the scalar `TopKTopPWarper`/`RepetitionAwareLogitsProcessor` give each row the same kept set and
     law bit for bit: tests/test_frame_sampler.py). Pearson's test per sampled block and kind at `ALPHA`: six tests, so
     a correct sampler fails fewer than 6e-6 of runs; the greedy block takes the argmax."""
+    from transformers_drama3.frame_rules import Drama3FrameSampling
     from transformers_drama3.sampling import FrameSampler
 
     generator = torch.Generator().manual_seed(31)
@@ -248,8 +249,8 @@ def test_a_batch_with_different_settings_per_row_draws_each_row_from_its_own_law
         sampler.set_rows(torch.arange(block * n, (block + 1) * n), SimpleNamespace(**{"do_sample": True, **changes}))
     noise = torch.rand(blocks * n, 2, MIXED_CANDIDATES, generator=generator)
     rows = torch.arange(blocks).repeat_interleave(n)  # block of each row
-    main = sampler.main(logits[rows], history[rows], noise).view(blocks, n)
-    codes = sampler.codebook(heads[rows], 1, noise).view(blocks, n)
+    main = Drama3FrameSampling().main(logits[rows], history[rows], sampler, noise).view(blocks, n)
+    codes = Drama3FrameSampling().codebook(heads[rows], 1, sampler, noise).view(blocks, n)
     assert (main[0] == logits[0].argmax()).all() and (codes[0] == heads[0].argmax()).all()
     for block, s in enumerate(MIXED_SETTINGS[1:], start=1):
         s = SimpleNamespace(**s)

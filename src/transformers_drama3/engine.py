@@ -7,7 +7,9 @@ different settings share the batch (the state holds settings per sequence), and 
 stream, so a request gives the same frames alone, in a batch, and admitted while others run.
 
 While sequences run, at most one newcomer is prefilled per frame (a running stream waits for one prefill at most);
-with nothing running, every waiting request is admitted before the next frame. The names follow transformers'
+with nothing running, every waiting request is admitted before the next frame. `generate` is this engine too: it adds
+its batch with `add_batch` (one prefill for the batch, one admission) and steps the engine in its own thread until the
+batch has ended, reading the frames back every `stop_check_interval` frames instead of every frame. The names follow transformers'
 continuous-batching manager: `add_request`, `cancel_request`, `get_result`, `request_id_iter`, `start`, `stop`,
 `is_running` (and `model.init_continuous_batching`, `generate_batch`, `continuous_batching_context_manager`,
 continuous_batching.py).
@@ -35,83 +37,31 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 
 import torch
-from transformers.generation.continuous_batching import RequestStatus
-from transformers.generation.continuous_batching.requests import GenerationOutput
+from transformers import StoppingCriteriaList
 from transformers.utils import logging
 
 from .device_placement import execution_device
-from .frame_runner import FINISH_EOS, FrameRunner, KeptStates, check_cuda_graphs
-from .generation_drama3 import Drama3FrameLimit, generation_settings
+from .engine_requests import FINISH_CANCELLED, FINISH_FAILED, Admission, Drama3Result, EngineRequest
+from .frame_rules import FINISH_EOS, FINISH_STOP, Drama3EndOfSpeech, Drama3FrameLimit, Drama3FrameSampling
+from .frame_runner import FrameRunner, KeptStates, check_cuda_graphs
+from .generation_settings import generation_settings
 from .prompt_cache import PromptCache, prefill
 from .settings_checks import check_flag, check_seed
 
 logger = logging.get_logger(__name__)
 
-FINISH_CANCELLED, FINISH_FAILED = "cancelled", "failed"
 KEEP_RESULTS = 1024  # finished requests whose result or stream is kept until read (the default bound)
 _END = object()  # the end of a request's frame stream (`request_id_iter`)
 # Settings that are the engine's, not a request's: how the step runs, and what a frame hands back.
 ENGINE_SETTINGS = {
     "fast_decode": "it is the engine's: Drama3Engine(model, fast_decode=...)",
     "compile_step": "it is the engine's: Drama3Engine(model, compile_step=...)",
-    "stop_check_interval": "the engine reads each frame's stop flags with its codes, once per frame",
+    "stop_check_interval": "it is the engine's: Drama3Engine(model, stop_check_interval=...) (1 by default: each "
+                           "frame reaches its request as it is made)",
     "output_scores": "the engine keeps no scores; use model.generate(..., output_scores=True)",
 }
-
-
-@dataclass
-class Drama3Result(GenerationOutput):
-    """A finished request, as transformers' continuous-batching `GenerationOutput` (`request_id`, `prompt_ids`: the
-    main ids of the prompt rows, `generated_tokens`: the main id of each frame, `status` FINISHED or FAILED, `error`
-    as text, `created_time` and `lifespan` in `time.perf_counter()` seconds, `timestamps` with
-    `record_timestamps=True`), plus Drama 3's frames.
-
-    codes: `[NCB, n]` the codes of the request's frames (on the CPU). finish_reason: `"eos"`, `"length"`,
-    `"context"`, `"cancelled"` or `"failed"` (then `exception` holds what was raised). prompt_rows: the prompt's
-    length in rows. added_at, admitted_at, first_frame_at: `time.monotonic()` seconds. audio: float32 `[n * 2048]`
-    where the caller decoded it (`generate_batch`), else None.
-    """
-
-    codes: torch.LongTensor | None = None
-    finish_reason: str = ""
-    prompt_rows: int = 0
-    exception: BaseException | None = None
-    added_at: float = 0.0
-    admitted_at: float | None = None
-    first_frame_at: float | None = None
-    audio: torch.Tensor | None = None
-
-    @property
-    def frames(self) -> int:
-        return self.codes.shape[1]
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    """A request inside the engine (see `Drama3Engine.add_request`): one spec, built once when it is added."""
-
-    request_id: str
-    input_ids: torch.LongTensor  # [1, T, 1 + NCB]
-    attention_mask: torch.LongTensor  # [1, T]
-    prompt_ids: list[int]  # [T] the main id of each prompt row
-    settings: object  # GenerationConfig
-    generator: torch.Generator
-    frame_limit: int
-    limit_reason: str  # "length" or "context" (Drama3FrameLimit)
-    prompt_cache: PromptCache | None
-    on_frame: Callable | None
-    on_finish: Callable | None
-    stream: queue.Queue | None
-    timestamps: list[float] | None  # per frame, with record_timestamps=True
-    frames: list = field(default_factory=list)  # [1 + NCB] per frame: its main id and codes
-    added_at: float = field(default_factory=time.monotonic)
-    created_time: float = field(default_factory=time.perf_counter)
-    admitted_at: float | None = None
-    admitted_time: float = -1.0  # perf_counter
-    first_frame_at: float | None = None
 
 
 class Drama3Engine:
@@ -120,40 +70,61 @@ class Drama3Engine:
     `max_batch`: the most sequences generating at once. `fast_decode` / `compile_step`: how the frame step runs, as
     for `generate` (CUDA graphs on a CUDA device; torch.compile). `generation_config`: default settings of the
     requests (the model's by default); each request may override them. `keep_results`: how many finished requests
-    keep their unread result and frame stream.
+    keep their unread result and frame stream. `stop_check_interval`: frames between two reads of the frames back
+    to the host (1: each frame reaches its request as it is made).
 
     Drive it with its thread (`start()`/`stop()`, or `with engine:`) or step it yourself (`step()` until it returns
     False, or `run_until_idle()`), never both. Callbacks run in the thread that steps the engine.
+
+    `runner` and `observer` are how `generate` runs its batch here: its own `FrameRunner` (its hooks' rule and
+    criteria, its graphs and scores) and a `FrameObserver` (frame_observer.py) for its streamer and host hooks.
     """
 
     def __init__(self, model, max_batch: int = 8, fast_decode: bool = False, compile_step: bool | str = False,
-                 generation_config=None, keep_results: int = KEEP_RESULTS):
-        for name, value in (("max_batch", max_batch), ("keep_results", keep_results)):
+                 generation_config=None, keep_results: int = KEEP_RESULTS, stop_check_interval: int = 1,
+                 runner: FrameRunner | None = None, observer=None):
+        for name, value in (("max_batch", max_batch), ("keep_results", keep_results),
+                            ("stop_check_interval", stop_check_interval)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         base = generation_config if generation_config is not None else model.generation_config
         self.defaults = generation_settings(base, fast_decode=fast_decode, compile_step=compile_step)
-        if self.defaults.output_scores:
+        if self.defaults.output_scores and runner is None:
             raise ValueError(f"output_scores=True cannot apply: {ENGINE_SETTINGS['output_scores']}")
-        graphs = fast_decode and model.input_device.type == "cuda"
-        if graphs:
-            check_cuda_graphs(model)
         self.model, self.max_batch, self.keep_results = model, max_batch, keep_results
-        backend = "inductor" if compile_step is True else (compile_step or None)
-        self.runner = FrameRunner(model, graphs, backend, kept=KeptStates(model) if graphs else None)
-        self.noise_device = execution_device(model.lm_head)
         self.context = model.config.text_config.max_position_embeddings
-        self.waiting: deque[EngineRequest] = deque()
+        if runner is None:
+            graphs = fast_decode and model.input_device.type == "cuda"
+            if graphs:
+                check_cuda_graphs(model)
+            backend = "inductor" if compile_step is True else (compile_step or None)
+            runner = FrameRunner(model, Drama3FrameSampling(), self.frame_criteria(model, self.defaults), graphs,
+                                 backend, kept=KeptStates(model) if graphs else None)
+        elif fast_decode or compile_step:
+            raise ValueError("give fast_decode and compile_step to the runner, not with one")
+        self.runner, self.observer, self.stop_check_interval = runner, observer, stop_check_interval
+        self.noise_device = execution_device(model.lm_head)
+        self.waiting: deque[Admission] = deque()
         self.requests: dict[str, EngineRequest] = {}  # waiting and running, by id
         self.results: OrderedDict[str, Drama3Result] = OrderedDict()  # finished and unread, in finishing order
         self.streams: dict[str, queue.Queue] = {}  # frame streams of streaming requests, running or unread
         self._ended_streams: OrderedDict[str, None] = OrderedDict()  # streams of finished requests, oldest first
         self._cancelled: set[str] = set()
+        self._pending: list[torch.Tensor] = []  # frames' outputs not read back yet (device), of one slot layout
+        self._pending_layout = -1  # the runner's layout of those frames
         self._ids = itertools.count()
         self._lock = threading.Condition()  # guards the dicts above, `waiting` and `_cancelled`
         self._stepping = threading.Lock()  # held by whoever runs a step
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @staticmethod
+    def frame_criteria(model, settings) -> StoppingCriteriaList:
+        """The device criteria every frame runs: EOS, then the frame limit (`settings.max_new_tokens` frames within
+        the backbone's context; each sequence's own limit is set when it joins)."""
+        context = model.config.text_config.max_position_embeddings
+        return StoppingCriteriaList([Drama3EndOfSpeech(model.config.eos_token_id),
+                                     Drama3FrameLimit(settings.max_new_tokens, context)])
 
     # -- requests (any thread) -------------------------------------------------------------------------------------
 
@@ -195,13 +166,6 @@ class Drama3Engine:
         if max_new_tokens is not None:
             keywords["max_new_tokens"] = max_new_tokens
         request_settings = generation_settings(self.defaults, **keywords)
-        attention_mask, _ = self.model.checked_inputs(input_ids)  # one host read; raises on a malformed prompt
-        prompt_ids = input_ids[0, :, 0].tolist()  # the prompt is checked on the host already: no further wait
-        input_ids = input_ids.to(self.model.input_device, torch.long)
-        if prompt_cache is not None:
-            if not isinstance(prompt_cache, PromptCache):
-                raise TypeError(f"prompt_cache must be a PromptCache, got {type(prompt_cache).__name__}")
-            prompt_cache.check(input_ids, attention_mask)
         if seed is not None and generator is not None:
             raise ValueError("pass either seed or generator, not both")
         if seed is not None:
@@ -211,25 +175,71 @@ class Drama3Engine:
             generator.manual_seed(seed) if seed is not None else generator.seed()
         elif not isinstance(generator, torch.Generator):
             raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
-        limit = Drama3FrameLimit(request_settings.max_new_tokens, input_ids.shape[1], self.context)
+        admission = self._checked_admission(input_ids, None, prompt_cache, [request_settings], [generator],
+                                            on_frame, on_finish, streaming, record_timestamps)
+        return self._queue(admission, [request_id], front)[0]
+
+    def add_batch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, settings,
+                  generators: list | None = None, prompt_cache: PromptCache | None = None) -> list[str]:
+        """Queue a left-padded batch of prompts `[B, T, 1 + NCB]` (mask `[B, T]`, 0 = padding) as one admission
+        with one prefill, all with `settings` (a checked GenerationConfig); returns their ids, in batch order.
+        `generators`: one `torch.Generator` (or None) per sequence, or None for the runner's one random stream
+        (`runner.one_stream`). This is how `generate` runs its batch; results come back through `get_result`."""
+        generators = generators if generators is not None else [None] * input_ids.shape[0]
+        admission = self._checked_admission(input_ids, attention_mask, prompt_cache, [settings] * len(generators),
+                                            generators, None, None, False, False)
+        return self._queue(admission, [None] * len(generators), False)
+
+    def _checked_admission(self, input_ids, attention_mask, prompt_cache, settings: list, generators: list,
+                           on_frame, on_finish, streaming: bool, record_timestamps: bool) -> Admission:
+        """The checked spec of requests admitted together: prompt layout and values (one host read), prompt cache,
+        frame limits; raises before anything is queued."""
+        attention_mask, _ = self.model.checked_inputs(input_ids, attention_mask)  # reads the prompt back once
+        # The prompts' lengths and main ids, for the results: one more read (none when the prompt is on the CPU).
+        width = input_ids.shape[1]
+        host = torch.cat((attention_mask.to(input_ids.device), input_ids[:, :, 0]), 1).cpu()  # [n, 2T]
+        lengths, main_ids = host[:, :width].sum(1).tolist(), host[:, width:].tolist()
+        input_ids = input_ids.to(self.model.input_device, torch.long)
+        attention_mask = attention_mask.to(self.model.input_device)
+        if prompt_cache is not None:
+            if not isinstance(prompt_cache, PromptCache):
+                raise TypeError(f"prompt_cache must be a PromptCache (PromptCache.build(model, prefix_rows)), got "
+                                f"{type(prompt_cache).__name__}")
+            prompt_cache.check(input_ids, attention_mask)
+        requests = []
+        for row, (length, request_settings, generator) in enumerate(zip(lengths, settings, generators)):
+            limit = Drama3FrameLimit(request_settings.max_new_tokens, self.context)
+            frames, reason = limit.limit(input_ids.shape[1])
+            requests.append(EngineRequest(
+                "", main_ids[row][input_ids.shape[1] - length :], request_settings, generator, frames, reason,
+                on_frame, on_finish, queue.Queue() if streaming else None, [] if record_timestamps else None))
+        return Admission(requests, input_ids, attention_mask, prompt_cache)
+
+    def _queue(self, admission: Admission, request_ids: list, front: bool) -> list[str]:
         with self._lock:
             if self._stopping and self.is_running():
                 raise RuntimeError("the engine is stopping (stop() was called and its thread has not ended yet): "
                                    "add requests after it has stopped, or to another engine")
-            if request_id is None:
-                request_id = f"req_{next(self._ids)}"
-            if request_id in self.requests or request_id in self.results or request_id in self.streams:
-                raise ValueError(f"a request with id {request_id!r} is already in the engine")
-            stream = queue.Queue() if streaming else None
-            request = EngineRequest(request_id, input_ids, attention_mask, prompt_ids, request_settings, generator,
-                                    limit.frames, limit.reason, prompt_cache, on_frame, on_finish, stream,
-                                    [] if record_timestamps else None)
-            self.requests[request_id] = request
-            if stream is not None:
-                self.streams[request_id] = stream
-            self.waiting.appendleft(request) if front else self.waiting.append(request)
+            for request, request_id in zip(admission.requests, request_ids):
+                if request_id is None:
+                    request_id = f"req_{next(self._ids)}"
+                if request_id in self.requests or request_id in self.results or request_id in self.streams:
+                    raise ValueError(f"a request with id {request_id!r} is already in the engine")
+                request.request_id = request_id
+            for request in admission.requests:
+                self.requests[request.request_id] = request
+                if request.stream is not None:
+                    self.streams[request.request_id] = request.stream
+            self.waiting.appendleft(admission) if front else self.waiting.append(admission)
             self._lock.notify_all()
-        return request_id
+        return [request.request_id for request in admission.requests]
+
+    def stop_requests(self, request_ids) -> None:
+        """End running requests at the frame just made, with finish reason `"stop"` (a caller's stopping criterion;
+        the stepping thread only, e.g. from an observer)."""
+        for request_id in request_ids:
+            self.requests[request_id].stopped = True
+        self.runner.stop(request_ids)
 
     def cancel_request(self, request_id: str) -> None:
         """Stop a request: a waiting one is dropped, a running one leaves the batch at the next frame boundary (its
@@ -322,7 +332,8 @@ class Drama3Engine:
         return self
 
     def stop(self, block: bool = True, timeout: float | None = None) -> None:
-        """Cancel every running and waiting request (their results say `"cancelled"`) and end the engine's thread:
+        """Cancel every running and waiting request (their results say `"cancelled"`), free the frame state and end
+        the engine's thread:
         with `block`, wait up to `timeout` seconds for it (it ends after its current frame). Until it has ended,
         `start`, `step` and `add_request` are refused. Without a thread, the cancellations run here."""
         with self._lock:
@@ -333,6 +344,7 @@ class Drama3Engine:
         if thread is None:
             with self._stepping:
                 self._step()
+                self.runner.close()  # the state kept between requests is freed
             return
         if block:
             thread.join(timeout)
@@ -352,6 +364,7 @@ class Drama3Engine:
                 while not self._stopping and not self.waiting and not self._cancelled and not self.runner.running:
                     self._lock.wait()
                 if self._stopping and not self.requests and not self._cancelled:
+                    self.runner.close()  # the state kept between requests is freed
                     return
             with self._stepping:
                 self._step()
@@ -376,12 +389,17 @@ class Drama3Engine:
     def _step(self) -> bool:
         with self._lock:
             cancelled, self._cancelled = self._cancelled, set()
-            for request in [r for r in self.waiting if r.request_id in cancelled]:
-                self.waiting.remove(request)
-                self._finish(request, FINISH_CANCELLED)
+            for admission in list(self.waiting):
+                dropped = [r for r in admission.requests if r.request_id in cancelled]
+                admission.requests = [r for r in admission.requests if r.request_id not in cancelled]
+                if not admission.requests:
+                    self.waiting.remove(admission)
+                for request in dropped:
+                    self._finish(request, FINISH_CANCELLED)
         running = set(self.runner.running)
         leaving = [self.requests[key] for key in cancelled if key in running]
         if leaving:
+            self._read()  # frames made before the cancellation still reach their requests
             self.runner.release([r.request_id for r in leaving])
             for request in leaving:
                 self._finish(request, FINISH_CANCELLED)
@@ -392,6 +410,7 @@ class Drama3Engine:
             except Exception as error:  # noqa: BLE001  (the running requests fail; the engine goes on)
                 logger.error("the frame step failed: %s", error)
                 failed = [self.requests[key] for key in self.runner.running]
+                self._pending = []
                 self.runner.close()
                 for request in failed:
                     self._finish(request, FINISH_FAILED, error)
@@ -399,76 +418,107 @@ class Drama3Engine:
             return bool(self.requests)
 
     def _admit(self) -> None:
-        """Prefill and admit waiting requests: up to the free slots with nothing running, one while others run."""
+        """Prefill and admit waiting admissions: as many as there are free slots with nothing running, one while
+        others run."""
         running = len(self.runner.running)
-        budget = self.max_batch - running if running == 0 else min(1, self.max_batch - running)
-        for _ in range(budget):
+        others_run = running > 0
+        while True:
             with self._lock:
-                if not self.waiting:
+                if not self.waiting or len(self.waiting[0].requests) > self.max_batch - running:
                     return
-                request = self.waiting.popleft()
+                admission = self.waiting.popleft()
+            self._read()  # the slots change: frames of the old layout are read first
+            keys = [request.request_id for request in admission.requests]
             try:
-                prefilled = prefill(self.model, request.input_ids, request.attention_mask, request.prompt_cache)
-                self.runner.admit([request.request_id], prefilled, request.input_ids, request.attention_mask,
-                                  [request.settings], [request.generator], [request.frame_limit])
-            except Exception as error:  # noqa: BLE001  (this request fails alone)
-                logger.error("request %s: prefill failed: %s", request.request_id, error)
-                self.runner.release([request.request_id])
-                self._finish(request, FINISH_FAILED, error)
+                prefilled = prefill(self.model, admission.input_ids, admission.attention_mask, admission.prompt_cache)
+                self.runner.admit(keys, prefilled, admission.input_ids, admission.attention_mask,
+                                  [r.settings for r in admission.requests], [r.generator for r in admission.requests],
+                                  [r.frame_limit for r in admission.requests])
+            except Exception as error:  # noqa: BLE001  (these requests fail alone)
+                logger.error("requests %s: prefill failed: %s", keys, error)
+                self.runner.release(keys)
+                for request in admission.requests:
+                    self._finish(request, FINISH_FAILED, error)
                 continue
-            request.admitted_at, request.admitted_time = time.monotonic(), time.perf_counter()
+            now, clock = time.monotonic(), time.perf_counter()
+            for request in admission.requests:
+                request.admitted_at, request.admitted_time = now, clock
+            running += len(keys)
+            if others_run:
+                return
 
     def _frame(self) -> None:
-        """One frame of every running sequence; its codes go to their requests, finished ones leave."""
-        self.runner.step()
-        slots, keys = self.runner.rows()
-        outputs = self.runner.read()  # [b, 1 + NCB + 3]: the one host read of the frame
-        now, clock = time.monotonic(), time.perf_counter()
+        """One frame of every running sequence; every `stop_check_interval` frames (and before the slots change),
+        the frames made go to their requests and finished ones leave."""
+        runner, observer = self.runner, self.observer
+        runner.make_room()
+        if self._pending and runner.layout != self._pending_layout:
+            self._read()
+        if observer is not None:
+            observer.before_step(runner)
+        runner.step(observer.main_logits_hook(runner) if observer is not None else None)
+        if observer is not None:
+            observer.after_step(self, runner)
+        if not self._pending:
+            self._pending_layout = runner.layout
+        self._pending.append(runner.outputs())
+        # A sequence makes at most one frame per step: none can pass its frame limit before `due` steps.
+        due = min(self.stop_check_interval,
+                  *(self.requests[key].frame_limit - len(self.requests[key].frames) for key in runner.running))
+        if len(self._pending) >= due or runner.layout != self._pending_layout:
+            self._read()
+
+    def _read(self) -> None:
+        """Read the pending frames back (one transfer), hand each made frame to its request, and retire the
+        sequences that have ended."""
+        if not self._pending:
+            return
+        block = torch.stack(self._pending).cpu()  # [k, b, 1 + NCB + 3]: the one host read of these frames
+        self._pending = []
+        slots, keys = self.runner.taken()
         failed = {}
+        for outputs in block:
+            now, clock = time.monotonic(), time.perf_counter()
+            made = {}
+            for slot, key in zip(slots, keys):
+                if key in failed or not bool(outputs[slot, -3]):  # no frame: EOS, or ended before
+                    continue
+                request = self.requests[key]
+                frame = outputs[slot, :-3].clone()  # [1 + NCB]: the main id, then the codes
+                made[key] = frame
+                request.frames.append(frame)
+                request.first_frame_at = request.first_frame_at or now
+                if request.timestamps is not None:
+                    request.timestamps.append(clock)
+                if request.on_frame is not None:
+                    try:
+                        request.on_frame(key, frame[1:])
+                    except Exception as error:  # noqa: BLE001  (this request fails alone)
+                        logger.error("request %s: on_frame failed: %s", key, error)
+                        failed[key] = error
+                        continue
+                if request.stream is not None:
+                    request.stream.put(frame[1:])
+            if self.observer is not None:
+                self.observer.frame_read(made)
+        ended = [(self.requests[key], FINISH_FAILED, failed[key]) for key in failed]
+        last = block[-1]
         for slot, key in zip(slots, keys):
-            if not bool(outputs[slot, -3]):  # no frame: EOS, or ended before
+            if key in failed or not bool(last[slot, -2]):
                 continue
             request = self.requests[key]
-            frame = outputs[slot, :-3].clone()  # [1 + NCB]: the main id, then the codes
-            codes = frame[1:]
-            request.frames.append(frame)
-            request.first_frame_at = request.first_frame_at or now
-            if request.timestamps is not None:
-                request.timestamps.append(clock)
-            if request.on_frame is not None:
-                try:
-                    request.on_frame(key, codes)
-                except Exception as error:  # noqa: BLE001  (this request fails alone)
-                    logger.error("request %s: on_frame failed: %s", key, error)
-                    failed[key] = error
-                    continue
-            if request.stream is not None:
-                request.stream.put(codes)
-        ended = [(self.requests[key], FINISH_FAILED, failed[key]) for key in failed]
-        for key, _, at_limit in self.runner.finished(outputs):
-            if key not in failed:
-                request = self.requests[key]
-                ended.append((request, request.limit_reason if at_limit else FINISH_EOS, None))
+            if request.stopped:
+                reason = FINISH_STOP
+            else:
+                reason = request.limit_reason if int(last[slot, -1]) >= request.frame_limit else FINISH_EOS
+            ended.append((request, reason, None))
         if ended:
             self.runner.release([request.request_id for request, _, _ in ended])
             for request, reason, error in ended:
                 self._finish(request, reason, error)
 
-    def _result(self, request: EngineRequest, reason: str, error: BaseException | None) -> Drama3Result:
-        frames = torch.stack(request.frames) if request.frames else torch.zeros(
-            0, 1 + self.model.config.num_codebooks, dtype=torch.long)  # [n, 1 + NCB]
-        failed = reason == FINISH_FAILED
-        return Drama3Result(
-            request.request_id, prompt_ids=request.prompt_ids, generated_tokens=frames[:, 0].tolist(),
-            error=f"{type(error).__name__}: {error}" if failed else None,
-            status=RequestStatus.FAILED if failed else RequestStatus.FINISHED, created_time=request.created_time,
-            lifespan=(request.admitted_time, time.perf_counter()), timestamps=request.timestamps,
-            codes=frames[:, 1:].T.contiguous(), finish_reason=reason, prompt_rows=request.input_ids.shape[1],
-            exception=error, added_at=request.added_at, admitted_at=request.admitted_at,
-            first_frame_at=request.first_frame_at)
-
     def _finish(self, request: EngineRequest, reason: str, error: BaseException | None = None) -> None:
-        result = self._result(request, reason, error)
+        result = request.result(reason, error, self.model.config.num_codebooks)
         if request.stream is not None:
             request.stream.put(_END)
         with self._lock:
@@ -495,4 +545,4 @@ class Drama3Engine:
                                "dropped (Drama3Engine(keep_results=...))", request_id, self.keep_results)
 
 
-__all__ = ["Drama3Engine", "Drama3Result"]
+__all__ = ["FINISH_CANCELLED", "FINISH_FAILED", "Drama3Engine", "Drama3Result"]

@@ -6,22 +6,23 @@ the new frame row is embedded and fed to the backbone, which gives the next hidd
 
 `FrameState` holds everything a step reads and writes for `batch` sequences, in fixed buffers: transformers'
 `StaticCache` for the backbone (full-attention keys/values and linear-attention conv/recurrent states), static
-layers for the 13 tower layers, and the last hidden state, row, position, slot mask, RAS window, noise, flags and
+layers for the 13 tower layers, and the last hidden state, row, position, cache-position mask, RAS window, noise, flags and
 outputs. `FrameState.step` never changes a shape, never reads a value back to the host and updates every buffer
 in place. The same step runs everywhere: eagerly on a CPU or under accelerate offload, and captured once as a CUDA
 graph and replayed (`cuda_graphs.py`) on a GPU.
 
-Slots: every sequence of a state writes its next row at the same cache slot (transformers' static layers keep one
-row counter per layer). A sequence admitted between two frames (`FrameState.admit`) has its prompt rows copied so
-that they end right before that slot, with the slots before them masked as left padding is; its positions are its
-own, so it computes what it computes alone. Rows of sequences that ended stay in the state as ended rows until the
+Names: a *slot* is a sequence's place in the state (along the batch dimension), a *cache position* a place along
+the cache's time axis. Every sequence of a state writes its next row at the same cache position (transformers' static
+layers keep one row counter per layer). A sequence admitted between two frames (`FrameState.admit`) has its prompt
+rows copied so that they end right before that position, with the positions before them masked as left padding is;
+its positions are its own, so it computes what it computes alone. Slots of sequences that ended stay in the state as ended slots until the
 runner (frame_runner.py) moves the running ones to a smaller state.
 
-Attention reads a window of the cache slots (`attention_window`: 256 slots doubled until the slots in use fit), so a
+Attention reads a window of the cache positions (`attention_window`: 256 doubled until the positions in use fit), so a
 step costs about what its sequences use, with a handful of distinct shapes. A state's capacity is the largest window
 it has needed: it starts small and, as its sequences get longer, they move into a bigger state (`FrameState.take`,
-which also drops the slots no running sequence uses any more), so memory follows the rows actually generated, never
-the `max_new_tokens` a caller asks for.
+which also drops the cache positions no running sequence uses any more), so memory follows the rows actually
+generated, never the `max_new_tokens` a caller asks for.
 """
 
 from __future__ import annotations
@@ -29,11 +30,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from transformers import StaticCache
+from transformers import StaticCache, StoppingCriteriaList
 from transformers.cache_utils import Cache, StaticLayer
 
 from .device_placement import execution_device
 from .modeling_tower import additive_mask, rotary_angles
+from .frame_rules import Drama3FrameSampling
 from .sampling import FrameSampler
 
 WINDOW_CHUNK = 256  # the smallest attention window; windows double from here
@@ -58,7 +60,7 @@ def row_limit(max_positions: int) -> int:
 
 
 class WindowedStaticLayer(StaticLayer):
-    """transformers' `StaticLayer` (fixed buffers, in-place writes) that returns only its first `visible_rows` slots,
+    """transformers' `StaticLayer` (fixed buffers, in-place writes) that returns only its first `visible_rows` positions,
     set before each step, so attention skips the unused end of the buffers."""
 
     def __init__(self, max_cache_len: int):
@@ -78,15 +80,16 @@ def rows_held(layer) -> int:
     return int(layer.get_seq_length()) if getattr(layer, "keys", None) is not None else 0
 
 
-def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, shift: int) -> None:
-    """Copy the sequences `source_index` `[n]` of `source` into rows `target_index` `[n]` of `target`'s
-    preallocated layers, in place, moving every cached row by `shift` slots.
+def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, shift: int) -> int:
+    """Copy the sequences `source_index` `[n]` of `source` into slots `target_index` `[n]` of `target`'s
+    preallocated layers, in place, moving every cached row by `shift` cache positions; returns the bytes copied.
 
     `source` may be dynamic (a prefill's caches) or static (another state). Attention layers copy their rows
     `[max(0, -shift), held)` to `[.. + shift, held + shift)` and set the row counter to `held + shift` (the counter is
-    shared by all the rows of a layer: a state's sequences end at the same slot, whatever their lengths);
+    shared by all the sequences of a layer: a state's sequences end at the same cache position, whatever their lengths);
     linear-attention layers copy their conv and recurrent states.
     """
+    copied = 0
     for target_layer, layer in zip(target.layers, source.layers):
         if isinstance(target_layer, StaticLayer):
             held, start = rows_held(layer), max(0, -shift)
@@ -96,12 +99,16 @@ def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, sh
                 for name in ("keys", "values"):
                     rows = getattr(layer, name)[:, :, start:held].index_select(0, index)  # [n, KV, rows, hd]
                     getattr(target_layer, name)[:, :, start + shift : held + shift].index_copy_(0, into, rows)
+                    copied += rows.numel() * rows.element_size()
             target_layer.cumulative_length.fill_(held + shift)
         for name in ("conv_states", "recurrent_states"):
             for state_idx, state in getattr(layer, name, {}).items():
                 if state is not None:
                     into = getattr(target_layer, name)[state_idx]
-                    into.index_copy_(0, target_index.to(into.device), state.index_select(0, source_index.to(state.device)))
+                    rows = state.index_select(0, source_index.to(state.device))
+                    into.index_copy_(0, target_index.to(into.device), rows)
+                    copied += rows.numel() * rows.element_size()
+    return copied
 
 
 def allocate_like(target: Cache, source: Cache, batch: int) -> None:
@@ -127,10 +134,10 @@ def allocate_like(target: Cache, source: Cache, batch: int) -> None:
 
 
 def step_mask(valid: torch.Tensor, dtype: torch.dtype, attention: str | None) -> torch.Tensor:
-    """The attention mask of one step's query row from the slot mask `valid` `[b, visible]` (True = a real row).
+    """The attention mask of one step's query row from the cache-position mask `valid` `[b, visible]` (True = a real row).
 
     Kernels that take a 4-D mask (sdpa, eager, ...) get an additive bias `[b, 1, 1, visible]` (0, or the dtype's
-    minimum where a slot holds no row); flash-attention kernels take the 2-D padding mask `[b, visible]` itself.
+    minimum where a position holds no row); flash-attention kernels take the 2-D padding mask `[b, visible]` itself.
     """
     if attention is not None and "flash" in attention:
         return valid.long()
@@ -138,11 +145,12 @@ def step_mask(valid: torch.Tensor, dtype: torch.dtype, attention: str | None) ->
 
 
 class FrameState:
-    """Everything one frame step reads and writes, at fixed addresses, for `batch` sequences and `capacity` rows.
+    """Everything one frame step reads and writes, at fixed addresses, for `batch` sequences (slots) and `capacity`
+    cache positions.
 
     The backbone's layers take their shapes, dtypes and devices from `template`, a filled backbone cache (the
-    prefill's, or another state's). Every row starts free (ended); sequences come in between two steps with `admit`
-    (from a prefill, into free rows) or `take` (from another state, when the runner moves them to a state of
+    prefill's, or another state's). Every slot starts free (ended); sequences come in between two steps with `admit`
+    (from a prefill, into free slots) or `take` (from another state, when the runner moves them to a state of
     another size).
     """
 
@@ -177,9 +185,9 @@ class FrameState:
         self.hidden = torch.zeros(batch, hidden_size, dtype=keys_like.dtype, device=head_device)  # [b, D]
         self.row = torch.zeros(batch, 1 + config.num_codebooks, **long)  # [b, 1 + NCB] the last row
         self.position = torch.zeros(batch, **long)  # [b] the last row's position
-        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # [b, C] slots holding real rows
-        self.slot = torch.zeros(1, **long)  # the backbone slot of the next row (the same for every sequence)
-        self.pointer = 0  # `slot` as the host knows it: the runner counts the steps it runs
+        self.valid = torch.zeros(batch, capacity, dtype=torch.bool, device=device)  # [b, C] positions holding rows
+        self.write_at = torch.zeros(1, **long)  # the cache position of the next row (the same for every sequence)
+        self.pointer = 0  # `write_at` as the host knows it: the runner counts the steps it runs
         self.history = torch.full((batch, ras_window), -1, dtype=torch.long, device=head_device)  # [b, W] RAS window
         self.noise = torch.zeros(batch, config.num_codebooks, num_candidates, device=head_device)  # [b, NCB, V + 1]
         self.ended = torch.ones(batch, dtype=torch.bool, device=device)  # [b] EOS, limit, stopped, or a free row
@@ -198,55 +206,56 @@ class FrameState:
     # ------------------------------------------------------------------------------------------------------------
 
     def start_at(self, pointer: int) -> None:
-        """Set the slot of the next row of an empty state: admitted sequences end just before it."""
+        """Set the cache position of the next row of an empty state: admitted sequences end just before it."""
         self.pointer = pointer
-        self.slot.fill_(pointer)
+        self.write_at.fill_(pointer)
         self.ended.fill_(True)
 
-    def admit(self, rows, prefill, input_ids, positions, mask, frame_limits) -> None:
-        """Take the sequences of a prefill into the state's rows `rows` `[n]` (rows no running sequence holds).
+    def admit(self, slots, prefill, input_ids, positions, mask, frame_limits) -> None:
+        """Take the sequences of a prefill into the state's slots `slots` `[n]` (slots no running sequence holds).
 
         `prefill`: the prefill's output (its caches and `last_hidden_state`); `input_ids` its prompt rows
         `[n, T, 1 + NCB]`, `positions` `[n, T]`, `mask` `[n, T]` (1 = a real row), `frame_limits` `[n]` the most
-        frames each may make. The prompt's rows land right before the state's next slot (T <= `pointer`), so that a
-        sequence admitted between two frames ends at the same slot as the running ones; the slots before it are
-        masked, as left padding is.
+        frames each may make. The prompt's rows land right before the state's next cache position (T <= `pointer`),
+        so that a sequence admitted between two frames ends at the same position as the running ones; the positions
+        before it are masked, as left padding is.
         """
         count, width = input_ids.shape[:2]
         if width > self.pointer:
-            raise ValueError(f"a prompt of {width} rows does not fit before slot {self.pointer}")
+            raise ValueError(f"a prompt of {width} rows does not fit before cache position {self.pointer}")
         shift = self.pointer - width
-        source = torch.arange(count, device=self.slot.device)
-        rows = rows.to(self.slot.device)
-        copy_cache_rows(self.cache, prefill.cache, source, rows, shift)
-        copy_cache_rows(self.tower_cache, prefill.tower_cache, source, rows, shift)
-        self.valid.index_fill_(0, rows, False)
-        self.valid[:, shift : self.pointer].index_copy_(0, rows, mask.bool().to(self.valid.device))
+        source = torch.arange(count, device=self.write_at.device)
+        slots = slots.to(self.write_at.device)
+        copy_cache_rows(self.cache, prefill.cache, source, slots, shift)
+        copy_cache_rows(self.tower_cache, prefill.tower_cache, source, slots, shift)
+        self.valid.index_fill_(0, slots, False)
+        self.valid[:, shift : self.pointer].index_copy_(0, slots, mask.bool().to(self.valid.device))
         model = self.model
-        self.hidden.index_copy_(0, rows.to(self.hidden.device), prefill.last_hidden_state[:, -1].to(self.hidden.dtype))
-        self.row.index_copy_(0, rows, input_ids[:, -1].to(self.row.device))
-        self.position.index_copy_(0, rows, positions[:, -1].to(self.position.device))
-        # RAS window: the last prompt rows' main ids as candidate columns (-1 for text rows).
+        self.hidden.index_copy_(0, slots.to(self.hidden.device), prefill.last_hidden_state[:, -1].to(self.hidden.dtype))
+        self.row.index_copy_(0, slots, input_ids[:, -1].to(self.row.device))
+        self.position.index_copy_(0, slots, positions[:, -1].to(self.position.device))
+        # RAS window: the last prompt rows' main ids as candidate columns (-1 for text slots).
         main = input_ids[:, -min(width, self.ras_window) :, 0] if self.ras_window else input_ids[:, :0, 0]
         columns = torch.where(model.is_audio_row(main), main - model.config.semantic_start_token_id + 1, -1)
         history = torch.full((count, self.ras_window), -1, dtype=torch.long, device=self.history.device)
         history[:, self.ras_window - columns.shape[1] :] = columns.to(history.device)
-        self.history.index_copy_(0, rows.to(self.history.device), history)
-        self.ended.index_fill_(0, rows, False)
-        self.count.index_fill_(0, rows, 0)
-        self.frame_limit.index_copy_(0, rows, torch.as_tensor(frame_limits, dtype=torch.long).to(self.slot.device))
+        self.history.index_copy_(0, slots.to(self.history.device), history)
+        self.ended.index_fill_(0, slots, False)
+        self.count.index_fill_(0, slots, 0)
+        self.frame_limit.index_copy_(0, slots, torch.as_tensor(frame_limits, dtype=torch.long).to(self.write_at.device))
         if self.head_weight is not None:  # refreshed at every admission: the weights may have changed in place
             self.head_weight.copy_(model.candidate_head_weight(self.candidates))
 
-    def take(self, other: FrameState, keep, shift: int) -> None:
-        """Take the sequences in rows `keep` `[n]` of another state into rows `[0, n)`, every cached row moved by
-        `shift` slots (negative: towards slot 0, over slots no sequence of `keep` uses); the other rows end."""
+    def take(self, other: FrameState, keep, shift: int) -> int:
+        """Take the sequences in slots `keep` `[n]` of another state into slots `[0, n)`, every cached row moved by
+        `shift` cache positions (negative: towards position 0, over positions no sequence of `keep` uses); the other
+        slots end. Returns the bytes of cache copied."""
         count = keep.numel()
-        keep = keep.to(self.slot.device)
-        into = torch.arange(count, device=self.slot.device)
+        keep = keep.to(self.write_at.device)
+        into = torch.arange(count, device=self.write_at.device)
         self.start_at(other.pointer + shift)
-        copy_cache_rows(self.cache, other.cache, keep, into, shift)
-        copy_cache_rows(self.tower_cache, other.tower_cache, keep, into, shift)
+        copied = copy_cache_rows(self.cache, other.cache, keep, into, shift)
+        copied += copy_cache_rows(self.tower_cache, other.tower_cache, keep, into, shift)
         start = max(0, -shift)
         self.valid.zero_()
         self.valid[:count, start + shift : self.pointer].copy_(other.valid[:, start : other.pointer].index_select(0, keep))
@@ -259,6 +268,30 @@ class FrameState:
         self.sampler.copy_rows(other.sampler, keep)
         if self.head_weight is not None:
             self.head_weight.copy_(other.head_weight)
+        return copied
+
+    def shift(self, start: int, positions: int) -> int:
+        """Move every sequence's cached rows from cache positions `[start, pointer)` to `positions` later, in place
+        (room before the next frame's position for a newcomer with a longer prompt); the cache must be long enough.
+        Linear-attention states hold no positions and stay. Returns the bytes of cache copied."""
+        end = self.pointer
+        if end + positions + 1 > self.capacity:
+            raise ValueError(f"a cache of {self.capacity} positions cannot move {end} by {positions}")
+        copied = 0
+        for layer in (*self.cache.layers, *self.tower_cache.layers):
+            if isinstance(layer, StaticLayer):
+                for name in ("keys", "values"):
+                    buffer = getattr(layer, name)  # [b, KV, capacity, hd]
+                    moving = buffer[:, :, start:end].clone()
+                    buffer[:, :, start + positions : end + positions].copy_(moving)
+                    copied += moving.numel() * moving.element_size()
+                layer.cumulative_length.add_(positions)
+        moving = self.valid[:, start:end].clone()
+        self.valid[:, start:end] = False
+        self.valid[:, start + positions : end + positions] = moving
+        self.pointer += positions
+        self.write_at.fill_(self.pointer)
+        return copied
 
     # ------------------------------------------------------------------------------------------------------------
     # The frame step
@@ -268,11 +301,14 @@ class FrameState:
         """Main-token logits `[b, V + 1]` (float32) of the last hidden states."""
         return self.model.main_logits(self.hidden, self.candidates, self.head_weight).float()
 
-    def step(self, visible: int, main_logits_hook: MainLogitsHook | None = None) -> None:
+    def step(self, visible: int, sampling: Drama3FrameSampling, stopping: StoppingCriteriaList,
+             main_logits_hook: MainLogitsHook | None = None) -> None:
         """One frame for every sequence of the state, in place: writes `new_rows` and `made`, advances every buffer.
 
         Attention reads the first `visible` cache rows, which must hold every row in use after this step
-        (`attention_window`). `main_logits_hook` (eager steps only) may change the main-token logits before the draw.
+        (`attention_window`). `sampling` draws the frame from the per-row settings of `self.sampler`; `stopping`
+        (device criteria: EOS, the frame limit) says which sequences end with it. `main_logits_hook` (eager steps
+        only: the user's host-side processors) may change the main-token logits before the draw.
         """
         model = self.model
         for layer in (*self.cache.layers, *self.tower_cache.layers):
@@ -283,41 +319,40 @@ class FrameState:
             logits = main_logits_hook(logits)
         if self.scores is not None:
             self.scores.copy_(logits)
-        sampler = self.sampler
-        noise = self.noise
-        column = sampler.main(logits, self.history, noise)  # [b] candidate column (0 = EOS)
+        sampler, noise = self.sampler, self.noise
+        column = sampling.main(logits, self.history, sampler, noise)  # [b] candidate column (0 = EOS)
         main = self.candidates[column]  # [b] token ids
 
         attention = model.config.text_config._attn_implementation
         tower_config = model.tower.config
         tower_device = self.tower_cache.layers[0].keys.device
-        # The tower's new row sits at the slot of the last row (it lags the backbone by one): it reads the slots in
+        # The tower's new row sits at the position of the last row (it lags the backbone by one): it reads the positions in
         # use before this step's new row.
         tower_keys = self.tower_cache.layers[0].keys
         tower_mask = step_mask(self.valid[:, :visible].to(tower_device), tower_keys.dtype, attention)
         rope = rotary_angles(self.position.to(tower_device)[:, None], tower_config.rotary_dim, tower_config.rope_base)
         codes, _ = model.tower.decode_codes(
             self.hidden.to(tower_device), self.row.to(tower_device), main.to(tower_device), rope, tower_mask,
-            self.tower_cache, lambda head_logits, index: sampler.codebook(head_logits, index, noise),
+            self.tower_cache, lambda head_logits, index: sampling.codebook(head_logits, index, sampler, noise),
         )  # [b, NCB]
         if self.ras_window:
             self.history.copy_(torch.cat((self.history[:, 1:], column[:, None]), dim=1))
+        new_rows = torch.cat((main[:, None].to(codes.device), codes), dim=1).to(self.new_rows.device)  # [b, 1 + NCB]
+        self.new_rows.copy_(new_rows)
         made = ~self.ended & (column != 0).to(self.ended.device)  # [b] a frame (not EOS, not ended before)
         self.made.copy_(made)
         self.count.add_(made.long())
-        self.ended.logical_or_((column == 0).to(self.ended.device) | (self.count >= self.frame_limit))
-        new_rows = torch.cat((main[:, None].to(codes.device), codes), dim=1).to(self.new_rows.device)  # [b, 1 + NCB]
-        self.new_rows.copy_(new_rows)
+        self.ended.logical_or_(stopping(new_rows, logits, frames_made=self.count, frame_limit=self.frame_limit))
 
-        # Feed the new rows back: one backbone step at the next slot.
-        self.valid.index_fill_(1, self.slot, True)
+        # Feed the new rows back: one backbone step at the next cache position.
+        self.valid.index_fill_(1, self.write_at, True)
         backbone_mask = step_mask(self.valid[:, :visible], self.hidden.dtype, attention)
         backbone_masks = {"full_attention": backbone_mask, "linear_attention": None}
         self.position.add_(1)
         hidden = model.run_backbone(new_rows[:, None], self.position[:, None], backbone_masks, self.cache)  # [b, 1, D]
         self.hidden.copy_(hidden[:, 0])
         self.row.copy_(new_rows)
-        self.slot.add_(1)
+        self.write_at.add_(1)
 
 
 __all__ = ["FrameState", "WindowedStaticLayer", "attention_window", "row_limit", "step_mask"]

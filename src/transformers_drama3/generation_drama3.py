@@ -1,18 +1,23 @@
-"""Speech generation for Drama 3: transformers' `GenerationMixin.generate`, with Drama 3's frame loop as the decoding
+"""Speech generation for Drama 3: transformers' `GenerationMixin.generate`, with Drama 3's frames as the decoding
 method it runs.
 
 `FishOmniForSpeech.generate(input_ids, ...)` is `GenerationMixin.generate` plus the codec. transformers merges the
-settings (`model.generation_config`, a `generation_config`, keywords) and calls the hooks overridden here:
-`_prepare_generation_config` (greedy and sample only; Drama 3's settings checked), `_get_logits_processor` (the
-user's processors, checked by type, then Drama 3's main-token rule), `_get_stopping_criteria` (the user's criteria,
-checked by type, then the frame limit) and `_sample`: the teacher-forced prefill over the prompt rows
-(prompt_cache.py), then the frame loop (frame_runner.py) around the one frame step: main token with
-repetition-aware sampling -> tower codes -> the new row fed back to the backbone (docs/format.md, "Prefill and
-decoding"). `generate` then decodes each sequence's codes into audio.
+settings and calls the hooks overridden here, and each returns what runs:
+- `_prepare_generation_config`: `generation_settings.merge_settings` (greedy and sample only; Drama 3's settings
+  checked);
+- `_get_logits_processor`: the user's processors (checked by type; they run on the host, in the one eager-only slot),
+  then `Drama3FrameSampling`, the per-row sampling rule the frame step calls on the device (frame_rules.py);
+- `_get_stopping_criteria`: the user's criteria (checked by type; host), then `Drama3EndOfSpeech` and
+  `Drama3FrameLimit`, which the frame step calls on the device;
+- `_sample`: one spec per sequence (settings, random stream, frame limit, the checked prompt cache), run to the end
+  on a `Drama3Engine` (engine.py) in the calling thread: the prefill, then one frame step per frame (docs/format.md,
+  "Prefill and decoding"), with a `GenerateObserver` (frame_observer.py) for the streamer and the host hooks.
+`generate` then decodes each sequence's codes into audio.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass
 
@@ -24,10 +29,10 @@ from transformers import (
     LogitsProcessorList,
     MaxLengthCriteria,
     MaxTimeCriteria,
-    PretrainedConfig,
     StoppingCriteriaList,
 )
-from transformers.generation import GenerateDecoderOnlyOutput, GenerationMode
+from transformers.generation import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper,
     EtaLogitsWarper,
@@ -42,37 +47,24 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import compat
 from .device_placement import execution_device
+from .engine import Drama3Engine
+from .frame_observer import GenerateObserver
+from .frame_rules import FINISH_EOS, Drama3EndOfSpeech, Drama3FrameLimit, Drama3FrameSampling
 from .frame_rows import left_pad_rows, padded_on_the_right
-from .frame_runner import FINISH_CONTEXT, FINISH_LENGTH, FrameLoop, check_cuda_graphs, request_generators
+from .frame_runner import FrameRunner, check_cuda_graphs, kept_states, request_generators
+from .generation_settings import (
+    CALL_ARGUMENTS,
+    DRAMA3_GENERATION_DEFAULTS,
+    generation_settings,
+    merge_settings,
+    unsupported_arguments,
+)
 from .input_checks import attention_mask_layout, check_frame_layout
-from .prompt_cache import PromptCache, prefill
-from .sampling import RepetitionAwareLogitsProcessor, main_token_rule
-from .settings_checks import check_flag, check_generation_settings, check_hooks
+from .prompt_cache import PromptCache
+from .settings_checks import check_flag, check_hooks
 
-# Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
-DRAMA3_GENERATION_DEFAULTS = {
-    "do_sample": True,
-    "max_new_tokens": 2048,  # frames: 2048 frames = 95 s of audio
-    "temperature": 1.0,  # main token
-    "top_p": 0.9,
-    "top_k": 0,  # 0 (or None): no top-k for the main token; a cap of 30 makes reference-free takes fall silent
-    "ras_window": 16,
-    "ras_temperature": 1.0,
-    "ras_top_k": 30,
-    "ras_top_p": 0.95,
-    "codebook_temperature": 1.0,
-    "codebook_top_k": 30,  # capped at 30
-    "codebook_top_p": 0.9,
-    "stop_check_interval": 8,  # frames between two host checks of the stop flags
-    "fast_decode": False,  # on CUDA: capture the frame step once as a CUDA graph and replay it (cuda_graphs.py)
-    "compile_step": False,  # torch.compile the frame step first (True: inductor; or a torch.compile backend's name)
-    "return_dict_in_generate": True,
-    "output_scores": False,  # the main-token candidate logits of every frame, in `Drama3GenerateOutput.scores`
-}
-# transformers' generation settings that mean nothing for frames, but that pipelines and configs carry.
-_IGNORED_SETTINGS = ("pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "transformers_version", "_from_model_config")
-# Drama 3's own `generate` keywords, which reach `_sample` with the model keywords.
-CALL_ARGUMENTS = ("seed", "generator", "show_progress", "prompt_cache")
+logger = logging.get_logger(__name__)
+
 # Processors of transformers that read only the scores, so they apply to the main-token candidate logits as they
 # apply to text logits; the others index the scores by text token ids (penalties, bad words, forced tokens, ...).
 FRAME_LOGITS_PROCESSORS = (
@@ -101,63 +93,12 @@ class Drama3GenerateOutput(GenerateDecoderOnlyOutput):
     finish_reason: list[str] | None = None
 
 
-class Drama3FrameLimit(MaxLengthCriteria):
-    """Drama 3's length limit, in rows `[B, T + n, 1 + NCB]`: `max_new_tokens` frames after a prompt of
-    `prompt_length` rows, and never past the backbone's `context` (`max_position_embeddings` rows; the last frame is
-    not fed back, so `T + n` may reach the context + 1). `frames` is the limit in frames and `reason` the finish
-    reason of a sequence that reaches it (`"length"` or `"context"`): the one place both are decided, for `generate`
-    and the engine. The frame loop runs it on the device; only the user's criteria run on the host."""
-
-    def __init__(self, max_new_tokens: int, prompt_length: int, context: int):
-        room = context - prompt_length + 1  # frames before the context is full
-        if room < 1:
-            raise ValueError(f"the prompt has {prompt_length} rows, more than the context of {context} allows")
-        self.frames = min(max_new_tokens, room)
-        self.reason = FINISH_LENGTH if self.frames == max_new_tokens else FINISH_CONTEXT
-        super().__init__(prompt_length + self.frames)
-
-
-def unsupported_arguments(names) -> TypeError:
-    """The error for `generate` keywords that Drama 3 generation does not take (unknown, or transformers settings
-    that mean nothing for frames)."""
-    return TypeError(
-        f"generate() got unknown or unsupported arguments {sorted(names)}; Drama 3 generation accepts "
-        f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (plus input_ids, attention_mask, generation_config, logits_processor, "
-        "stopping_criteria, streamer, seed, generator, output_audio, show_progress, prompt_cache)"
-    )
-
-
-def _refuse_what_does_not_apply(generation_config: GenerationConfig | None, kwargs: dict) -> dict:
-    """The Drama 3 settings a call chooses (from `generation_config`, then keywords), after refusing the transformers
-    settings it chooses that do not apply to frames (beams, penalties, ...). Values equal to transformers' global
-    defaults in `generation_config` are no choice (pipelines of some versions fill them in)."""
-    chosen = {}
-    if generation_config is not None:
-        neutral = compat.generation_defaults()
-        given = {key: value for key, value in generation_config.to_diff_dict().items()
-                 if key in DRAMA3_GENERATION_DEFAULTS or (value is not None and value != neutral.get(key))}
-        unsupported = sorted(set(given) - set(DRAMA3_GENERATION_DEFAULTS) - set(_IGNORED_SETTINGS))
-        if unsupported:
-            raise ValueError(
-                f"generation_config sets {unsupported}, which Drama 3 generation does not use; it accepts "
-                f"{sorted(DRAMA3_GENERATION_DEFAULTS)} (see docs/usage.md, 'Sampling settings')"
-            )
-        chosen.update((key, value) for key, value in given.items() if key in DRAMA3_GENERATION_DEFAULTS)
-    known = GenerationConfig()
-    unsupported = [key for key in kwargs if hasattr(known, key) and key not in DRAMA3_GENERATION_DEFAULTS
-                   and key not in _IGNORED_SETTINGS]
-    if unsupported:
-        raise unsupported_arguments(unsupported)
-    chosen.update((key, value) for key, value in kwargs.items() if key in DRAMA3_GENERATION_DEFAULTS)
-    return chosen
-
-
 def _refuse_types(items, allowed: tuple, what: str, hint: str) -> None:
     """Refuse transformers' own processors or criteria in `items` that are not of the `allowed` types (a user's own
     class is taken: its contract is the frame logits and rows that `generate` documents)."""
     refused = [type(item).__name__ for item in items
                if (type(item).__module__.startswith("transformers.") and not isinstance(item, allowed))
-               or isinstance(item, (RepetitionAwareLogitsProcessor, Drama3FrameLimit))]
+               or isinstance(item, (Drama3FrameSampling, Drama3EndOfSpeech, Drama3FrameLimit))]
     if refused:
         raise ValueError(f"{what} holds {refused}, which cannot apply to Drama 3 frames: {hint}; transformers' "
                          f"{[kind.__name__ for kind in allowed]} apply, and so does your own class")
@@ -187,28 +128,15 @@ class Drama3GenerationMixin(GenerationMixin):
         self._kept_frame_states = None
 
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
-        """transformers' merge (`model.generation_config` < `generation_config` < keywords), after refusing the
-        settings that do not apply and checking Drama 3's own (before transformers' checks, which name fewer)."""
-        chosen = _refuse_what_does_not_apply(generation_config, kwargs)
-        base = {key: getattr(self.generation_config, key, None) for key in DRAMA3_GENERATION_DEFAULTS}
-        base = {key: DRAMA3_GENERATION_DEFAULTS[key] if value is None else value for key, value in base.items()}
-        check_generation_settings({**base, **chosen})
+        """The merge every door runs (`generation_settings.merge_settings`): `model.generation_config` <
+        `generation_config` < keywords, checked, greedy or sampled."""
         if generation_config is None:
             compat.drop_generation_values_copied_into_config(self.config, self.generation_config)
-        settings, model_kwargs = super()._prepare_generation_config(generation_config, **kwargs)
-        for key, value in base.items():  # a generation config set by hand may lack Drama 3's keys
-            if getattr(settings, key, None) is None and key not in chosen:
-                setattr(settings, key, value)
-        mode = settings.get_generation_mode()
-        if mode not in (GenerationMode.GREEDY_SEARCH, GenerationMode.SAMPLE):
-            raise ValueError(f"Drama 3 generates frames greedily (do_sample=False) or by sampling, not by "
-                             f"{mode.value}; check the model's generation_config")
-        return settings, model_kwargs
+        return merge_settings(self.generation_config, generation_config, kwargs)
 
     def _validate_model_kwargs(self, model_kwargs: dict) -> None:
         """Refuse keywords that are neither settings nor Drama 3's own (`seed`, `prompt_cache`, ...)."""
-        unknown = [key for key, value in model_kwargs.items()
-                   if value is not None and key not in ("attention_mask", *CALL_ARGUMENTS)]
+        unknown = [key for key, value in model_kwargs.items() if value is not None and key not in CALL_ARGUMENTS]
         if unknown:
             raise unsupported_arguments(unknown)
 
@@ -216,72 +144,107 @@ class Drama3GenerationMixin(GenerationMixin):
         """No cache here: the prefill makes the backbone's and the tower's (or copies a prompt cache's)."""
 
     def _get_logits_processor(self, generation_config: GenerationConfig, logits_processor=None, **kwargs):
-        """The user's processors, which run on each frame's main-token candidate logits `[B, V + 1]`, then Drama 3's
-        main-token rule when sampling (temperature, top-p, top-k, then the repetition-aware redraw: the official
-        order, `sampling.py`), which the frame step runs on the device."""
+        """What draws each frame: the user's processors, which run on the host on each frame's main-token candidate
+        logits `[B, V + 1]`, then `Drama3FrameSampling`, the per-row rule (temperature, top-p, top-k, the
+        repetition-aware redraw; the codebook draws; greedy rows take the argmax) that the frame step runs on the
+        device with each sequence's settings."""
         processors = LogitsProcessorList(logits_processor or [])
         _refuse_types(processors, FRAME_LOGITS_PROCESSORS, "logits_processor",
                       "Drama 3 applies a logits_processor to the main-token candidate logits [batch, V + 1] of each "
                       "frame (column 0 EOS, column 1 + c <|semantic:c|>), not to text token ids")
-        if generation_config.do_sample:
-            processors.append(main_token_rule(generation_config))
+        processors.append(Drama3FrameSampling())
         return processors
 
     def _get_stopping_criteria(self, generation_config: GenerationConfig, stopping_criteria=None, **kwargs):
-        """The user's criteria (called after each frame with the rows so far and that frame's candidate logits),
-        then the frame limit: `max_new_tokens` frames, within the backbone's context."""
+        """What ends a sequence: the user's criteria (called on the host after each frame with the rows so far and
+        that frame's candidate logits), then the device criteria the frame step runs: its EOS frame, and its frame
+        limit (`max_new_tokens` frames, within the backbone's context)."""
         criteria = StoppingCriteriaList(stopping_criteria or [])
         _refuse_types(criteria, FRAME_STOPPING_CRITERIA, "stopping_criteria",
                       "a Drama 3 sequence ends at its EOS frame (finish reason 'eos'), never on a text token or "
                       "string")
-        prompt_length = generation_config.max_length - generation_config.max_new_tokens  # transformers' sum
-        criteria.append(Drama3FrameLimit(generation_config.max_new_tokens, prompt_length,
-                                         self.config.text_config.max_position_embeddings))
+        criteria.extend(Drama3Engine.frame_criteria(self, generation_config))
         return criteria
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                 streamer: BaseStreamer | None = None, **model_kwargs):
-        """Greedy or sampled frames (`generation_config.do_sample`): the prefill, then the frame loop. Returns a
-        `Drama3GenerateOutput` without audio (or only `sequences` with `return_dict_in_generate=False`).
-        `synced_gpus` is not needed: the ranks of a split model run the same frames."""
+        """Greedy or sampled frames (`generation_config.do_sample`, per sequence in the rule's tensors): the batch's
+        specs run on a `Drama3Engine` in this thread. Returns a `Drama3GenerateOutput` without audio (or only
+        `sequences` with `return_dict_in_generate=False`). `synced_gpus` is not needed: the ranks of a split model run
+        the same frames."""
         settings = generation_config
-        # transformers drops an all-ones mask (None); `checked_inputs` makes the full mask again (one host read).
-        attention_mask, _ = self.checked_inputs(input_ids, model_kwargs.get("attention_mask"))
-        batch = input_ids.shape[0]
-        input_ids = input_ids.to(self.input_device, torch.long)
+        batch, prompt_length, _ = input_ids.shape
+        input_ids = input_ids.to(self.input_device, torch.long)  # the output's sequences live there too
         seed, generator = model_kwargs.get("seed"), model_kwargs.get("generator")
         rules = getattr(self, "split_rules", None)  # set on a model split over ranks (parallel.SplitModelRules)
         if rules is not None:
             seed = rules.shared_seed(self, seed, generator)  # every rank draws the same noise
         generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
+        sampling = logits_processor[-1]  # `_get_logits_processor`'s rule; before it, the user's processors
+        user_processors = LogitsProcessorList(logits_processor[:-1]) or None
+        device_criteria = StoppingCriteriaList(c for c in stopping_criteria
+                                               if isinstance(c, (Drama3EndOfSpeech, Drama3FrameLimit)))
+        user_criteria = StoppingCriteriaList(c for c in stopping_criteria if c not in device_criteria) or None
+        graphs = settings.fast_decode and self.input_device.type == "cuda"
         if settings.fast_decode:
             if rules is not None:
                 rules.check_fast_decode()
             check_cuda_graphs(self)
-        limit = next(c for c in stopping_criteria if isinstance(c, Drama3FrameLimit))
-        # The main-token rule runs inside the frame step (FrameLoop's sampler, from the same settings).
-        user_processors = [p for p in logits_processor if not isinstance(p, RepetitionAwareLogitsProcessor)]
-        user_criteria = [c for c in stopping_criteria if c is not limit]
+        if graphs and user_processors:
+            logger.warning_once("a logits_processor runs in Python between the step's parts: the frame step runs "
+                                "eagerly, without CUDA graphs")
+            graphs = False
+        # A user's logits processor is Python run inside the step: it cannot be compiled with it either.
+        compile_step = settings.compile_step if not user_processors else False
+        backend = "inductor" if compile_step is True else (compile_step or None)
+        frames = device_criteria[-1].limit(prompt_length)[0] if batch else 0
+        with tqdm(total=frames, unit="frame", leave=False, disable=not model_kwargs.get("show_progress")) as bar:
+            observer = GenerateObserver(input_ids, streamer, bar.update, user_processors, user_criteria,
+                                        settings.output_scores)
+            kept = kept_states(self) if graphs else None
+            try:
+                with kept.in_use() if kept is not None else contextlib.nullcontext():
+                    runner = FrameRunner(self, sampling, device_criteria, graphs, backend, observer.needs_scores, kept,
+                                         admits_later=False)
+                    if not isinstance(generators, list):  # one random stream for the batch (or torch's default)
+                        runner.one_stream, runner.shared_generator = True, generators
+                    interval = 1 if observer.reads_every_frame else settings.stop_check_interval
+                    engine = Drama3Engine(self, max_batch=max(batch, 1), generation_config=settings,
+                                          stop_check_interval=interval, runner=runner, observer=observer)
+                    try:
+                        ids = engine.add_batch(input_ids, model_kwargs.get("attention_mask"), settings,
+                                               generators if isinstance(generators, list) else None,
+                                               model_kwargs.get("prompt_cache"))
+                        observer.ids = {request_id: index for index, request_id in enumerate(ids)}
+                        engine.run_until_idle()
+                    finally:
+                        runner.close()
+            finally:
+                if streamer is not None:
+                    streamer.end()
+        results = [engine.get_result(request_id) for request_id in ids]
+        for result in results:
+            if result.exception is not None:
+                raise result.exception
+        return self._output(input_ids, results, observer, settings)
 
-        prefilled = prefill(self, input_ids, attention_mask, model_kwargs.get("prompt_cache"))
-        loop = FrameLoop(self, settings, limit, prefilled, input_ids, attention_mask, generators, streamer,
-                         LogitsProcessorList(user_processors) if user_processors else None,
-                         StoppingCriteriaList(user_criteria) if user_criteria else None)
-        try:
-            with tqdm(total=limit.frames, unit="frame", leave=False,
-                      disable=not model_kwargs.get("show_progress")) as bar:
-                loop.run(on_step=bar.update)
-        finally:
-            if streamer is not None:
-                streamer.end()
-
-        rows = loop.rows
-        sequences = loop.sequences[:, : rows + max(loop.lengths, default=0)]
+    @staticmethod
+    def _output(input_ids, results, observer: GenerateObserver, settings):
+        """`Drama3GenerateOutput` of the batch's results (or its `sequences` alone)."""
+        batch, prompt_length, width = input_ids.shape
+        lengths = [result.frames for result in results]
+        frames = torch.zeros(batch, max(lengths, default=0), width, dtype=torch.long)  # [B, N, 1 + NCB]
+        for index, result in enumerate(results):
+            frames[index, : lengths[index], 0] = torch.tensor(result.generated_tokens, dtype=torch.long)
+            frames[index, : lengths[index], 1:] = result.codes.T
+        sequences = torch.cat((input_ids, frames.to(input_ids.device)), 1)
         if not settings.return_dict_in_generate:
             return sequences
-        codes = [sequences[i, rows : rows + n, 1:].T.contiguous() for i, n in enumerate(loop.lengths)]  # [NCB, n_i]
-        return Drama3GenerateOutput(sequences=sequences, codes=codes, finish_reason=loop.finish_reason,
-                                    scores=tuple(loop.scores) if settings.output_scores else None)
+        codes = [sequences[i, prompt_length : prompt_length + n, 1:].T.contiguous() for i, n in enumerate(lengths)]
+        reasons = [result.finish_reason for result in results]
+        scores = observer.kept_scores(lengths, [reason == FINISH_EOS for reason in reasons])
+        return Drama3GenerateOutput(sequences=sequences, codes=codes, finish_reason=reasons,
+                                    scores=scores if settings.output_scores else None)
 
     @torch.no_grad()
     def generate(
@@ -349,31 +312,6 @@ class Drama3GenerationMixin(GenerationMixin):
 # `GenerationMixin.generate` parameters that Drama 3 does not take (assisted decoding, token constraints, ...).
 _TRANSFORMERS_ONLY_ARGUMENTS = set(inspect.signature(GenerationMixin.generate).parameters) - set(
     inspect.signature(Drama3GenerationMixin.generate).parameters) - {"self", "kwargs"}
-
-
-class _SettingsOf(Drama3GenerationMixin):
-    """Stands for a model with generation config `base`, so that `generation_settings` runs `generate`'s own merge
-    and checks without a model."""
-
-    def __init__(self, base: GenerationConfig):
-        self.generation_config = base
-        self.config = PretrainedConfig()
-
-
-def generation_settings(
-    base: GenerationConfig, generation_config: GenerationConfig | None = None, **kwargs
-) -> GenerationConfig:
-    """The settings `generate(generation_config=..., **kwargs)` runs with on a model whose generation config is
-    `base`, checked as `generate` checks them: the one early check for front ends (the CLI, a manifest, a server)
-    before any model loads, with `GenerationConfig(**DRAMA3_GENERATION_DEFAULTS)` as `base`.
-
-    Raises `TypeError` for an unknown keyword and `ValueError` for a value out of range or a transformers setting
-    that does not apply to Drama 3 (beams, penalties, ...), naming the setting.
-    """
-    holder = _SettingsOf(base)
-    settings, model_kwargs = holder._prepare_generation_config(generation_config, **kwargs)
-    holder._validate_model_kwargs(model_kwargs)
-    return settings
 
 
 __all__ = ["DRAMA3_GENERATION_DEFAULTS", "Drama3FrameLimit", "Drama3GenerateOutput", "Drama3GenerationMixin",

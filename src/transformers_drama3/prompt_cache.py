@@ -118,15 +118,12 @@ class PromptCache:
 
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, prompt_cache: PromptCache | None):
-    """`generate`'s prefill (`model.prefill`) over prompt rows `[B, T, 1 + NCB]` and their full mask `[B, T]`, both
-    checked by `model.checked_inputs`. With `prompt_cache` it continues from copies of the cached prefix and runs over
-    the rows after it (the output's `last_hidden_state` then covers those rows only)."""
+    """The prefill before the frames (`model.prefill`) over prompt rows `[B, T, 1 + NCB]` and their full mask
+    `[B, T]`, both checked by `model.checked_inputs`. With `prompt_cache` (checked against them by the caller,
+    `PromptCache.check`) it continues from copies of the cached prefix and runs over the rows after it (the output's
+    `last_hidden_state` then covers those rows only)."""
     if prompt_cache is None:
         return model.prefill(input_ids, attention_mask)
-    if not isinstance(prompt_cache, PromptCache):
-        raise TypeError(f"prompt_cache must be a PromptCache (PromptCache.build(model, prefix_rows)), got "
-                        f"{type(prompt_cache).__name__}")
-    prompt_cache.check(input_ids, attention_mask)
     cache, tower_cache = prompt_cache.copies(input_ids.shape[0])
     return model.prefill(input_ids[:, prompt_cache.length :], attention_mask, cache, tower_cache)
 

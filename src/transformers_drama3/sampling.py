@@ -4,7 +4,8 @@ One draw of the official server is `sample(logits, T, top_k, top_p, keep_crossin
 float32, sort, softmax over all candidates, keep by top-p (the token that crosses `top_p` stays for the main token,
 `keep_crossing=True`, and is dropped for the codebook heads, `keep_crossing=False`), always keep rank 0, then keep
 ranks `< top_k`, renormalise, draw. `kept_logits` is that rule with one setting per row (tensors), the one
-implementation: `TopKTopPWarper` (scalar settings) and `FrameSampler` (per-row settings) both call it.
+implementation: `TopKTopPWarper` (scalar settings) and `frame_rules.Drama3FrameSampling` (per-row settings, from a
+`FrameSampler`'s tensors) both call it.
 
 Repetition-aware sampling (RAS) redraws the main token with other settings when the first draw is a semantic token
 among the last `window` main ids. `ras_log_probs` returns the log-probabilities of that two-draw procedure as a single
@@ -12,11 +13,11 @@ distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q
 p1; if repeated, draw again from p2", on the device and without a host round trip; its window is per row (0: no RAS
 for that row). `RepetitionAwareLogitsProcessor` is the same with one window for all rows.
 
-`draw` takes its randomness as uniform noise (an exponential race, exact), and `FrameSampler` makes all the draws
-of one frame from a single noise tensor, filled outside the frame step (so a captured CUDA graph replays with new
-noise each frame, and seeds work as usual). Its settings are tensors at fixed addresses, one entry per row, written
-between frames (`set_rows`, `copy_rows`): rows with different settings, greedy ones included, share one step and one
-captured graph.
+`draw` takes its randomness as uniform noise (an exponential race, exact), and all the draws of one frame come from a
+single noise tensor that `FrameSampler.fill_noise` fills outside the frame step (so a captured CUDA graph replays
+with new noise each frame, and seeds work as usual). `FrameSampler`'s settings are tensors at fixed addresses, one
+entry per row, written between frames (`set_rows`, `copy_rows`): rows with different settings, greedy ones included,
+share one step and one captured graph.
 """
 
 from __future__ import annotations
@@ -141,20 +142,9 @@ class RepetitionAwareLogitsProcessor(LogitsProcessor):
         return ras_log_probs(input_ids, window, self.first(None, scores), second)
 
 
-def main_token_rule(settings) -> RepetitionAwareLogitsProcessor:
-    """The main-token rule of one settings object (a generation config with Drama 3's keys) as a transformers
-    `LogitsProcessor`: temperature, top-p, top-k (0 or None: no limit), then the repetition-aware redraw. A frame
-    step runs the same rule from `FrameSampler`'s tensors (`set_rows` reads the same settings)."""
-    return RepetitionAwareLogitsProcessor(
-        TopKTopPWarper(settings.temperature, settings.top_k or None, settings.top_p, keep_crossing=True),
-        TopKTopPWarper(settings.ras_temperature, settings.ras_top_k or None, settings.ras_top_p, keep_crossing=True),
-        window=settings.ras_window,
-    )
-
-
 class FrameSampler:
-    """The draws of one frame (docs/format.md, "Sampling") for `rows` sequences, each with its own settings: the main
-    token with RAS, then codes 1..NCB-1.
+    """The per-row settings and noise of one frame's draws (docs/format.md, "Sampling") for `rows` sequences, each
+    with its own settings; `frame_rules.Drama3FrameSampling` makes the draws from them.
 
     The settings are tensors `[rows]` at fixed addresses (a captured CUDA graph reads them there): `do_sample`, the
     main-token `temperature`, `top_k` (0: no limit), `top_p`, the RAS `ras_window` (at most the history width
@@ -178,7 +168,7 @@ class FrameSampler:
 
     @property
     def sampling(self) -> bool:
-        """Whether any row samples (host-known): without, `main` and `codebook` are a plain argmax."""
+        """Whether any row samples (host-known): without, every draw of the frame is a plain argmax."""
         return any(self.sampled_rows)
 
     @property
@@ -246,26 +236,5 @@ class FrameSampler:
             if generator is not None and self.sampled_rows[row]:
                 noise[row].uniform_(generator=generator)
 
-    def main(self, logits: torch.Tensor, history: torch.Tensor, noise: torch.Tensor | None) -> torch.Tensor:
-        """Candidate column `[rows]` of the main token from its logits `[rows, V + 1]` (float32) and the RAS history
-        `[rows, ras_window]` (candidate columns); `noise` may be None when no row samples."""
-        greedy = logits.argmax(-1)  # [rows]
-        if not self.sampling:
-            return greedy
-        first = kept_logits(logits, self.temperature, self.top_k, self.top_p, keep_crossing=True)
-        second = None
-        if self.history_width:
-            second = kept_logits(logits, self.ras_temperature, self.ras_top_k, self.ras_top_p, keep_crossing=True)
-        drawn = draw(ras_log_probs(history, self.ras_window, first, second), noise=noise[:, 0])
-        return torch.where(self.do_sample, drawn, greedy)
 
-    def codebook(self, logits: torch.Tensor, index: int, noise: torch.Tensor | None) -> torch.Tensor:
-        """Code `[rows]` of codebook `index` (1..NCB-1) from its head's logits `[rows, V]`."""
-        greedy = logits.argmax(-1)  # [rows]
-        if not self.sampling:
-            return greedy
-        kept = kept_logits(logits, self.codebook_temperature, self.codebook_top_k, self.codebook_top_p, keep_crossing=False)
-        return torch.where(self.do_sample, draw(kept, noise=noise[:, index, : logits.shape[-1]]), greedy)
-
-
-__all__ = ["FrameSampler", "main_token_rule", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]
+__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]

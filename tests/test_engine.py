@@ -86,6 +86,51 @@ def test_a_long_prompt_admitted_after_short_ones_moves_them_and_all_keep_their_f
         assert torch.equal(result.codes, codes)
 
 
+def test_a_newcomer_takes_a_free_slot_and_a_longer_prompt_moves_the_others_in_place(model, prompts, expected):
+    """Admission writes the newcomer into a free slot: no state is built and no running sequence is copied. A prompt
+    longer than the cache positions before the next frame's moves the running sequences' attention rows later in the
+    same state (`FrameState.shift`), and every request still gets its frames alone."""
+    long_prompt = torch.cat([expected["prompt_b_rows"]] * 3)[:40]
+    engine = Drama3Engine(model, max_batch=8)
+    runner = engine.runner
+    ids = [engine.add_request(rows, do_sample=False, max_new_tokens=12) for rows in prompts]
+    engine.step()  # all three admitted (1, then 2, then 4 slots: a build per capacity), one frame made
+    assert (runner.state.batch, runner.builds, runner.moved_bytes) == (4, 3, runner.moved_bytes)
+    builds, moved, state = runner.builds, runner.moved_bytes, runner.state
+    ids.append(engine.add_request(prompts[1], do_sample=False, max_new_tokens=12))
+    engine.step()  # a free slot: nothing built, nothing of the others copied
+    assert (runner.builds, runner.moved_bytes, runner.state) == (builds, moved, state)
+    engine.cancel_request(ids.pop())  # its slot is free again
+    engine.step()
+    ids.append(engine.add_request(long_prompt, do_sample=False, max_new_tokens=12))
+    engine.step()  # 40 rows do not fit before the next frame's position: the others move later, in place
+    assert runner.builds == builds and runner.state is state and runner.moved_bytes > moved
+    engine.run_until_idle()
+    for rows, request_id in zip([*prompts, long_prompt], ids):
+        codes, reason = alone(model, rows, do_sample=False, max_new_tokens=12)
+        result = engine.get_result(request_id)
+        assert result.finish_reason == reason and torch.equal(result.codes, codes)
+
+
+def test_states_are_built_only_when_the_capacity_changes(model, prompts):
+    """Six requests arriving one per frame, then leaving: a state build per change of slots or cache length, none
+    for an admission into a free slot or a release (before: 11 states for the same run)."""
+    engine = Drama3Engine(model, max_batch=8)
+    runner, shapes = engine.runner, []
+    for index in range(6):
+        engine.add_request(prompts[index % 3], do_sample=False, max_new_tokens=8 + 2 * index)
+        engine.step()
+        shapes.append((runner.state.batch, runner.state.capacity))
+    while engine.step():
+        if runner.state is not None:
+            shapes.append((runner.state.batch, runner.state.capacity))
+    changes = sum(1 for before, after in zip(shapes, shapes[1:]) if before != after)
+    assert runner.builds == 1 + changes and runner.builds <= 5, shapes
+    assert runner.state is not None  # kept for the next request
+    engine.stop()
+    assert runner.state is None  # stop frees it
+
+
 def test_max_batch_queues_the_rest_and_admits_them_as_rows_free(model, prompts):
     engine = Drama3Engine(model, max_batch=2)
     ids = [engine.add_request(rows, do_sample=False, max_new_tokens=6) for rows in prompts]

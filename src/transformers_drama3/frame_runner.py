@@ -185,7 +185,7 @@ class FrameRunner:
         state = self._new_state(size, attention_window(pointer + 1, self.cap), ras_window, template)
         if old is not None and slots:
             shift = pointer - old.pointer
-            self.moved_bytes += state.take(old, torch.tensor(slots, device=old.slot.device), shift)
+            self.moved_bytes += state.take(old, torch.tensor(slots, device=old.write_at.device), shift)
             self.first = [self.first[slot] + shift for slot in slots]
         else:
             state.start_at(pointer)

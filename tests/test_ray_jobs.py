@@ -173,3 +173,10 @@ def test_a_drama3_ray_rerun_after_a_partial_run_makes_each_row_once(cluster, tmp
     by_n = {row["n"]: row for row in rows}
     assert by_n[1]["audio"] is None and "control token" in by_n[1]["error"]
     assert all(re.fullmatch(r"row-[0-9a-f]{16}\.wav", by_n[n]["audio"]["path"]) for n in by_n if n != 1)
+
+    # An input column that the output would overwrite is refused before anything runs.
+    datasets.Dataset.from_dict({"text": ["Hi."], "error": ["x"]}).to_parquet(str(tmp_path / "clash.parquet"))
+    status = jobs_ray.main([str(tmp_path / "clash.parquet"), "--model", str(GOLDEN_TINY), "--output",
+                            str(tmp_path / "clash")])
+    assert status == 1 and "the dataset has column(s) ['error']" in capsys.readouterr().err
+    assert not (tmp_path / "clash").exists()

@@ -30,13 +30,14 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from .jobs_dataset import OUTPUT_COLUMNS
+from .jobs_dataset import OUTPUT_COLUMNS, check_output_columns
 from .jobs_items import JobItem, ManifestError, checked_items, row_entry
 
 RAY_HINT = "Ray Data is not installed: pip install 'transformers-drama3[ray]'"
 FINGERPRINT = "fingerprint"  # an output column: the row's fingerprint, by which a rerun finds rows already made
 RAY_COLUMNS = (*OUTPUT_COLUMNS, FINGERPRINT)
 REFERENCE_CODES = "reference_codes"  # ReferenceEncoder -> Drama3Predictor: [{"transcript", "codes" [K][frames]}]
+STAGE_COLUMNS = (FINGERPRINT, REFERENCE_CODES, "error")  # what ReferenceEncoder adds
 ROW_ERROR = (ManifestError, OSError, ValueError, TypeError)  # what a row's own input can raise
 
 
@@ -118,7 +119,7 @@ class ReferenceEncoder:
             errors.append(problem)
         reference = pa.struct([("transcript", pa.string()), ("codes", pa.list_(pa.list_(pa.int32())))])
         made = batch.take(pa.array(kept, type=pa.int64())).drop_columns(
-            [name for name in (*RAY_COLUMNS, REFERENCE_CODES) if name in batch.column_names])
+            [name for name in STAGE_COLUMNS if name in batch.column_names])
         made = made.append_column(FINGERPRINT, pa.array(fingerprints, type=pa.string()))
         made = made.append_column(REFERENCE_CODES, pa.array(codes, type=pa.list_(reference)))
         return made.append_column("error", pa.array(errors, type=pa.string()))
@@ -316,9 +317,15 @@ def main(argv: list[str] | None = None) -> int:
     threads = {"OMP_NUM_THREADS": os.environ["OMP_NUM_THREADS"]} if "OMP_NUM_THREADS" in os.environ else {}
     if not ray.is_initialized():  # (a caller may have started Ray with its own settings)
         ray.init(address=args.address, runtime_env={"env_vars": threads})  # the actors' thread count, on every node
+    rows = read_source(args.source, ray.data, rows_per_block=args.batch_size)
+    try:
+        check_output_columns(rows.columns(), columns, (*RAY_COLUMNS, REFERENCE_CODES))
+    except ManifestError as error:
+        print(f"drama3-ray: error: {error}", file=sys.stderr)
+        return 1
     folder = Path(args.source).parent if Path(args.source).is_file() else Path(args.source)
     made = speech_pipeline(
-        read_source(args.source, ray.data, rows_per_block=args.batch_size), args.model, done=done,
+        rows, args.model, done=done,
         batch_size=args.batch_size, concurrency=args.concurrency, num_gpus=args.num_gpus, encoders=args.encoders,
         columns=columns, dialogue_column=args.dialogue_column, folder=str(folder.resolve()), seed=args.seed,
         **settings)

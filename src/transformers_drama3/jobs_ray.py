@@ -31,7 +31,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .jobs_dataset import OUTPUT_COLUMNS, check_output_columns
-from .jobs_items import JobItem, ManifestError, checked_items, row_entry
+from .jobs_items import JobItem, ManifestError, checked_items, item_columns, row_entry
 
 RAY_HINT = "Ray Data is not installed: pip install 'transformers-drama3[ray]'"
 FINGERPRINT = "fingerprint"  # an output column: the row's fingerprint, by which a rerun finds rows already made
@@ -60,7 +60,7 @@ class RowSettings:
 
     def __init__(self, columns: dict | None, dialogue_column: str | None, folder, seed: int, chunk_bytes: int,
                  generate_kwargs: dict):
-        self.columns = dict(columns) if columns is not None else ({} if dialogue_column else {"text": "text"})
+        self.columns = item_columns(columns, dialogue_column)
         self.dialogue_column, self.folder, self.seed = dialogue_column, Path(folder), seed
         self.chunk_bytes, self.defaults = chunk_bytes, generate_kwargs
 

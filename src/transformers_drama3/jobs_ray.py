@@ -212,11 +212,11 @@ def speech_pipeline(rows, model: str, *, done=(), batch_size: int = 16, concurre
                     **settings):
     """The Ray dataset of a job's results: `rows` -> `ReferenceEncoder` on `encoders` CPU actors (`encoder_cpus`
     each; rows whose fingerprint is in `done` left out) -> `Drama3Predictor` on `concurrency` actors with `num_gpus`
-    GPUs each (one CPU each when `num_gpus` is 0). `settings`: the row settings of both stages."""
+    GPUs and one CPU each (the CPU that drives its GPU). `settings`: the row settings of both stages."""
     coded = rows.map_batches(ReferenceEncoder, batch_format="pyarrow", batch_size=batch_size, concurrency=encoders,
                              num_cpus=encoder_cpus, fn_constructor_kwargs={"model": model, "done": done, **settings})
     return coded.map_batches(Drama3Predictor, batch_format="pyarrow", batch_size=batch_size, concurrency=concurrency,
-                             num_gpus=num_gpus, num_cpus=0 if num_gpus else 1,
+                             num_gpus=num_gpus, num_cpus=1,
                              fn_constructor_kwargs={"model": model, "device": device, "batch_size": batch_size,
                                                     **settings})
 

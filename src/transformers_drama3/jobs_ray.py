@@ -126,9 +126,9 @@ class ReferenceEncoder:
 
 
 class Drama3Predictor:
-    """Stage 2, on GPU actors (`map_batches(..., num_gpus=1)`): rows in (after `ReferenceEncoder`, which their
-    reference recordings need), the same rows plus `audio` ({"bytes", "path"}: the file a plain job writes),
-    `frames`, `finish_reason`, `seed`, `error` and `fingerprint` out.
+    """Stage 2, on GPU actors (`map_batches(..., num_gpus=1)`): the rows `ReferenceEncoder` made in; the same rows
+    plus `audio` ({"bytes", "path"}: the file a plain job writes), `frames`, `finish_reason`, `seed`, `error` and
+    `fingerprint` out (`reference_codes` left out).
 
     `model`: a checkpoint directory or Hub id, loaded once per actor (on `device`, "auto": the GPU Ray gave the
     actor, else the CPU), without keeping the codec's encoder. `columns`, `dialogue_column`, `folder`, `seed`,
@@ -157,19 +157,19 @@ class Drama3Predictor:
         from .jobs import JobPlan, batches_of, read_item, run_batch
 
         check_pyarrow(batch, type(self).__name__)
-        coded = REFERENCE_CODES in batch.column_names
-        if "references" in self.rows.columns and not coded:
-            raise ValueError("rows with references need ReferenceEncoder first: map_batches(ReferenceEncoder, ...) "
-                             "encodes their recordings on CPU workers, then map_batches(Drama3Predictor, ...)")
+        if REFERENCE_CODES not in batch.column_names:
+            raise ValueError("Drama3Predictor takes the rows ReferenceEncoder made: map_batches(ReferenceEncoder, ...) "
+                             "checks them and encodes their recordings on CPU workers, then map_batches("
+                             "Drama3Predictor, ...) (or speech_pipeline, which builds both)")
         rows, items, prepared, errors, records = batch.to_pylist(), {}, {}, {}, {}
         for index, row in enumerate(rows):
-            if row.get("error") is not None and coded:  # ReferenceEncoder found it bad
+            if row["error"] is not None:  # ReferenceEncoder found it bad
                 errors[index] = row["error"]
                 continue
             try:
                 item = self.rows.item(row)
                 text, chunks, voices = read_item(replace(item, references=[]), self.processor, self.rows.chunk_bytes)
-                prepared[index] = (text, chunks, voices + (row[REFERENCE_CODES] if coded else []))
+                prepared[index] = (text, chunks, voices + row[REFERENCE_CODES])
                 items[index] = item
             except ROW_ERROR as error:
                 errors[index] = str(error)

@@ -1,7 +1,7 @@
 """Manifest jobs (`drama3-tts --manifest`, `transformers_drama3.jobs`): the manifest and its items' files checked
 before any model loads (every problem in one message), a 16-item job with an item that fails while it runs, the same
-files byte for byte under `accelerate launch --num_processes 2` (torchrun's launcher, gloo), both ranks busy even on
-a 6-item job, and a job killed halfway that a rerun finishes by making only the missing items. The
+files byte for byte under `accelerate launch --num_processes 2` and under `torchrun --nproc_per_node 2` (gloo), both
+ranks busy even on a 6-item job, and a job killed halfway that a rerun finishes by making only the missing items. The
 golden tiny checkpoint, 4 frames per item: the audio is noise, but the same noise is the point."""
 
 import json
@@ -241,18 +241,27 @@ def test_manifest_usage_errors(argv, message, capsys):
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_two_ranks_share_a_six_item_job_and_make_the_same_files(job, tmp_path):
-    """`accelerate launch` with 2 processes (it starts them with torch.distributed.run's launcher, as `torchrun`
-    does; on a CPU machine --multi_gpu is what starts more than one, each then on the CPU): both ranks make items of
-    a 6-item job, the bad item is recorded and named, and the files are those of one process byte for byte."""
+LAUNCHERS = {  # two processes on the CPU, each with a whole model, started by ...
+    # `accelerate launch` (on a CPU machine --multi_gpu is what starts more than one; it starts them with
+    # torch.distributed.run's launcher)
+    "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                   "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m"],
+    # `torchrun` itself (its module form; --standalone: a rendezvous on a free local port)
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m"],
+}
+
+
+@pytest.mark.parametrize("launcher", sorted(LAUNCHERS))
+def test_two_ranks_share_a_six_item_job_and_make_the_same_files(job, tmp_path, launcher):
+    """`accelerate launch` or `torchrun` with 2 processes: both ranks make items of a 6-item job, the bad item is
+    recorded and named, and the files are those of one process byte for byte."""
     manifest, out = job
     six = tmp_path / "six.jsonl"
     lines = manifest.read_text().splitlines()
     six.write_text("\n".join(lines[index] for index in (0, 1, 2, 4, 5, 7)) + "\n")  # one chunk each, one batch
     shutil.copy(manifest.parent / "cut.flac", tmp_path)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-               "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "-m",
-               "transformers_drama3.cli", *CLI_FLAGS, "--manifest", str(six), "--output-dir", str(tmp_path / "out"),
+    command = [*LAUNCHERS[launcher], "transformers_drama3.cli", *CLI_FLAGS, "--manifest", str(six),
+               "--output-dir", str(tmp_path / "out"),
                "--quiet"]  # the default --batch-size 8 would put all 6 items in one batch of one rank
     run = subprocess.run(command, capture_output=True, text=True, timeout=TIMEOUT, env=environment())
     assert run.returncode == 1 and f"1 item(s) failed ({BAD_ITEM})" in run.stderr, run.stderr

@@ -131,3 +131,32 @@ def test_column_mapping_ids_and_dialogues():
     bad = datasets.Dataset.from_dict({"turns": [[{"speaker": 99, "text": "Hi."}]]})
     with pytest.raises(ManifestError, match=r"row 0: turns: a dialogue is a non-empty list"):
         dataset_items(bad, dialogue_column="turns")
+
+
+def test_the_ray_stages_without_ray(reference, tmp_path):
+    """`ReferenceEncoder` then `Drama3Predictor` called on pyarrow tables as Ray's actors call them (no Ray needed):
+    the plain job's samples for the same ids; a recording that cannot be decoded fails in the CPU stage, and the row
+    keeps its error; rows whose fingerprint is done are left out; rows that skipped the CPU stage are refused."""
+    import pyarrow as pa
+
+    from transformers_drama3.jobs_ray import Drama3Predictor, ReferenceEncoder
+
+    write_cut_flac(tmp_path / "cut.flac")
+    references = [[] for _ in TEXTS]
+    references[2] = [{"audio": "cut.flac", "transcript": "Cut short."}]
+    table = pa.table({"key": [f"row{index}" for index in range(len(TEXTS))], "text": TEXTS, "refs": references})
+    settings = {"columns": {"id": "key", "text": "text", "references": "refs"}, "folder": str(tmp_path),
+                "max_new_tokens": FRAMES}
+    coded = ReferenceEncoder(str(GOLDEN_TINY), **settings)(table)
+    assert coded["error"][2].as_py().startswith("row row2: ") and "cut.flac" in coded["error"][2].as_py()
+    predictor = Drama3Predictor(str(GOLDEN_TINY), device="cpu", batch_size=4, **settings)
+    made = predictor(coded).to_pylist()
+    assert [row["key"] for row in made] == table["key"].to_pylist() and "reference_codes" not in made[0]
+    assert made[2]["audio"] is None and made[2]["error"] == coded["error"][2].as_py()
+    for index in (0, 1, 3, 4, 5):
+        assert made[index]["error"] is None and made[index]["fingerprint"] == coded["fingerprint"][index].as_py()
+        np.testing.assert_array_equal(decoded(made[index]), reference[f"row{index}"])  # the same bytes
+    again = ReferenceEncoder(str(GOLDEN_TINY), done={made[0]["fingerprint"], made[1]["fingerprint"]}, **settings)
+    assert again(table)["key"].to_pylist() == ["row2", "row3", "row4", "row5"]
+    with pytest.raises(ValueError, match="Drama3Predictor takes the rows ReferenceEncoder made"):
+        predictor(table)

@@ -120,7 +120,7 @@ class JobInput:
         self.dataset = load_input_dataset(args.dataset, args.split)
         columns = dataset_columns(args)
         if args.output_dataset is not None:
-            check_output_columns(self.dataset, columns)
+            check_output_columns(self.dataset.column_names, columns)
         local = Path(args.dataset)
         folder = (local if local.is_dir() else local.parent) if local.exists() else Path.cwd()
         return dataset_items(self.dataset, columns, dialogue_column=args.dialogue_column, folder=folder,

@@ -269,9 +269,10 @@ def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: 
 
 
 def encoded_references(processor, references: list, codec) -> list:
-    """Recordings among `references` (dicts with an audio path) encoded to codes with `codec`; voices as they are."""
+    """Recordings among `references` (dicts with an audio path) encoded to codes with `codec`; voices and references
+    already encoded (dicts with `codes`, as a Ray job's CPU stage makes them) as they are."""
     processor = processor.with_codec(codec)
-    return [reference if isinstance(reference, Drama3Voice) else
+    return [reference if isinstance(reference, Drama3Voice) or "codes" in reference else
             {"transcript": reference["transcript"],
              "codes": processor.encode_audio(str(reference["audio"]), where=str(reference["audio"]))}
             for reference in references]

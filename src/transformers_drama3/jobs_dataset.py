@@ -25,10 +25,10 @@ OUTPUT_COLUMNS = ("audio", "frames", "finish_reason", "seed", "error")
 DATASET_FORMATS = ("arrow", "parquet")
 
 
-def check_output_columns(dataset, columns: dict | None) -> None:
-    """Refuse an input whose columns would be overwritten by the output's (its own `seed` column mapped as the
-    rows' seeds is kept: the output's `seed` is the same value)."""
-    taken = [name for name in OUTPUT_COLUMNS if name in dataset.column_names
+def check_output_columns(column_names: list[str], columns: dict | None, added=OUTPUT_COLUMNS) -> None:
+    """Refuse an input (with `column_names`) whose columns would be overwritten by the `added` ones of the output
+    (its own `seed` column mapped as the rows' seeds is kept: the output's `seed` is the same value)."""
+    taken = [name for name in added if name in column_names
              and not (name == "seed" and (columns or {}).get("seed") == "seed")]
     if taken:
         raise ManifestError(f"the dataset has column(s) {taken}, which the audio dataset adds: rename them first "
@@ -104,7 +104,7 @@ def run_dataset(model, processor, dataset, output: str | os.PathLike, *, columns
         raise ValueError(f"dataset_format must be one of {list(DATASET_FORMATS)}, got {dataset_format!r}")
 
     def items() -> list[JobItem]:
-        check_output_columns(dataset, columns)
+        check_output_columns(dataset.column_names, columns)
         return dataset_items(dataset, columns, dialogue_column=dialogue_column, folder=folder, base_seed=seed,
                              defaults=generate_kwargs)
 

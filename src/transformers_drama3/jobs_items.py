@@ -225,7 +225,7 @@ def dataset_items(dataset, columns: Mapping[str, str] | None = None, *, dialogue
     finds it as long as the rows keep their order. Relative paths are relative to `folder`. Every row is checked
     (`checked_items`); one `ManifestError` names every bad row.
     """
-    columns = dict(columns) if columns is not None else ({} if dialogue_column else {"text": "text"})
+    columns = item_columns(columns, dialogue_column)
     problems = [f"columns: {name!r} is not an item field; map one of {sorted(FIELDS)}" for name in columns
                 if name not in FIELDS]
     wanted = [*columns.values(), *([dialogue_column] if dialogue_column else [])]
@@ -245,6 +245,12 @@ def dataset_items(dataset, columns: Mapping[str, str] | None = None, *, dialogue
         except ValueError as error:
             problems.append(f"row {index}: {error}")
     return checked_items(checked, Path(folder), base_seed, defaults, what, problems)
+
+
+def item_columns(columns: Mapping[str, str] | None, dialogue_column: str | None) -> dict:
+    """The column mapping of a dataset job: `columns`, or by default `{"text": "text"}` (nothing with a dialogue
+    column)."""
+    return dict(columns) if columns is not None else ({} if dialogue_column else {"text": "text"})
 
 
 def row_entry(row: Mapping, columns: Mapping[str, str], dialogue_column: str | None, default_id: str) -> dict:
@@ -274,4 +280,5 @@ def dialogue_text(turns) -> str:
 
 
 __all__ = ["FIELDS", "FORMATS", "ITEM_ID", "MAX_SEED", "JobItem", "ManifestError", "checked_items", "dataset_items",
-           "dialogue_text", "item_seed", "load_input_dataset", "problems_error", "read_manifest", "row_entry"]
+           "dialogue_text", "item_columns", "item_seed", "load_input_dataset", "problems_error", "read_manifest",
+           "row_entry"]

@@ -197,11 +197,17 @@ def test_speak_a_dialogue_line_streams_and_shows_time_to_first_audio(browser, se
     browser.click("speak")
     line = browser.take(1)
     assert re.search(r"first audio after \d+ ms · real-time factor \d", line), line
-    # The streamed player got audio to play, and the take holds all of it.
-    assert browser.driver.execute_script("return document.querySelector('#player audio').src").startswith(
-        ("blob:", "http")), "the player has no audio"
+    # The live player played the take as it came, all of it, and says when its first audio started.
+    live = browser.wait(lambda: (state := browser.driver.execute_script("return window.drama3Live"))["done"]
+                        and state, "the live player to reach the end of the take")
+    assert live["error"] is None and live["chunks"] >= 1, live
+    assert re.fullmatch(r"Playing: first audio in this browser \d+ ms after the click", browser.text("live")), (
+        browser.text("live"))
+    browser.wait(lambda: browser.driver.find_element(By.CSS_SELECTOR, "#player a[download]").get_attribute(
+        "download") == "drama3-take-1.wav", "the complete take in the player below")
     samples = np.frombuffer(browser.download(downloads, "wav")[44:], np.int16)
     assert samples.size > 0 and np.abs(samples).max() > 0
+    assert live["samples"] == samples.size  # the live stream carried every sample of the take
     # Offline: everything the page loaded came from this server.
     loaded = browser.driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(url.startswith(server.url) for url in loaded), loaded

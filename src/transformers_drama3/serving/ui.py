@@ -7,8 +7,8 @@ HTTP call to itself); `mount_page(app)` mounts it and links it from `/`. example
 a Hugging Face Space. Imported only with `--ui`: a server without it never loads Gradio.
 
 Offline: Gradio 6 serves its scripts and its theme's fonts itself, and its analytics are off here, so the page loads
-nothing from outside the server (the browser tests check it). Streamed playback needs `ffmpeg` on the server's PATH
-(Gradio encodes streamed audio to AAC with it); without it the page plays each take when it is complete.
+nothing from outside the server (the browser tests check it). A take plays while it is made through the page's own
+player (ui_player.py: the server's pcm played with the Web Audio API), not Gradio's streamed audio.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 
 import gradio as gr
 import pydantic
-from fastapi.responses import HTMLResponse
+from fastapi.responses import HTMLResponse, StreamingResponse
 from gradio.routes import App
 
-from ..audio_io import AudioEncoder
 from .draining import DrainingServer
+from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
+from .ui_player import PLAYER_JS, STOP_JS, TOKEN
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -57,17 +57,10 @@ def base_url(request: gr.Request) -> str:
     return f"{scheme}://{request.headers['host']}"
 
 
-def wav_chunk(samples, rate: int) -> bytes:
-    """One streamed chunk as a complete 16-bit WAV: the form Gradio's streamed audio reads without ffmpeg's help."""
-    encoder = AudioEncoder("wav", rate, streamed=False)
-    return encoder.encode(samples) + encoder.finish()
-
-
 def build_page(app, playground: Playground | None = None) -> gr.Blocks:
     """The playground's Blocks, on the server `app` (made by `create_app`)."""
     playground = playground or Playground(app)
     settings = app.state.settings
-    streaming = shutil.which("ffmpeg") is not None
     defaults = playground.defaults()
 
     with gr.Blocks(title="Drama 3 playground", analytics_enabled=False) as page:
@@ -87,8 +80,9 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                 with gr.Row():
                     speak = gr.Button("Speak", variant="primary", elem_id="speak")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                player = gr.Audio(label="Speech", streaming=streaming, autoplay=True, interactive=False,
-                                  elem_id="player")
+                gr.HTML('<div id="live-line"></div>', elem_id="live")  # the live player's line (ui_player.py)
+                live_token = gr.Textbox(visible=False)  # the take's live-stream token, set by PLAYER_JS
+                player = gr.Audio(label="Speech (the take, once complete)", interactive=False, elem_id="player")
                 take_info = gr.Markdown(elem_id="take-info")
             with gr.Column(scale=2):
                 with gr.Accordion("Voice", open=True):
@@ -214,30 +208,28 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     fields.get("top_p", values["top_p"]), fields.get("top_k", values["top_k"]), fields["seed"],
                     fields.get("max_new_tokens", values["max_new_tokens"]))
 
-        async def speak_take(words, voice_name, temp, p, k, seed_value, frames, takes_so_far):
+        async def speak_take(words, voice_name, temp, p, k, seed_value, frames, takes_so_far, token):
             values = {"temperature": temp, "top_p": p, "top_k": None if k is None else int(k),
                       "seed": secrets.randbits(PAGE_SEED_BITS) if seed_value is None else int(seed_value),
                       "max_new_tokens": None if frames is None else int(frames)}
             fields = playground.request_fields(words, voice_name, values)
-            speaking = Speaking()
+            speaking, token = Speaking(), token if TOKEN.fullmatch(token or "") else None
             try:
-                rate = playground.service().model.config.sampling_rate
                 async for chunk in playground.speak(fields, speaking):
-                    if streaming:
-                        yield {player: wav_chunk(chunk, rate), take_info: "Speaking… first audio after "
-                               f"{speaking.first_audio_s * 1000:.0f} ms"}
+                    playground.live.put(token, chunk)
+                    if len(speaking.chunks) == 1:
+                        yield {take_info: f"Speaking… first audio after {speaking.first_audio_s * 1000:.0f} ms"}
                 take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
             except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
                 raise user_error(error) from None
+            finally:
+                playground.live.finish(token)
             kept = [*takes_so_far, take]
             for old in kept[:-MAX_TAKES]:
                 playground.forget(old)
             kept = kept[-MAX_TAKES:]
-            finished = {take_info: take.summary(), history: kept,
-                        takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
-            if not streaming:
-                finished[player] = str(take.files["wav"])
-            yield finished
+            yield {take_info: take.summary(), history: kept, player: str(take.files["wav"]),
+                   takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
 
         def stopped() -> str:
             return "Stopped: the server cancelled the request."
@@ -254,10 +246,10 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
         reset.click(show_defaults, outputs=[*setting_inputs, ras])
-        speaking = speak.click(speak_take, [text, voice, *setting_inputs, history],
-                               [player, take_info, history, takes], concurrency_limit=None,
+        speaking = speak.click(speak_take, [text, voice, *setting_inputs, history, live_token],
+                               [player, take_info, history, takes], concurrency_limit=None, js=PLAYER_JS,
                                show_progress="hidden")  # the page's own line says how far it got
-        stop.click(stopped, outputs=take_info, cancels=[speaking])
+        stop.click(stopped, outputs=take_info, cancels=[speaking], js=STOP_JS)
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python])
         reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs])
     return page
@@ -278,6 +270,14 @@ def mount_page(app, path: str = PATH):
     async def home() -> HTMLResponse:
         return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="0; url={path}/">'
                             f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
+
+    @app.get(f"{path}/live/{{token}}", include_in_schema=False)
+    async def live_take(token: str) -> StreamingResponse:
+        if not TOKEN.fullmatch(token):
+            raise APIError(404, "no such take", code="not_found")
+        rate = ready_service(app).model.config.sampling_rate
+        return StreamingResponse(playground.live.pcm(token, rate), media_type="audio/pcm",
+                                 headers={"X-Sampling-Rate": str(rate), "Cache-Control": "no-store"})
 
     app.state.page = build_page(app, playground)
     return gr.mount_gradio_app(app, app.state.page, path=path,

@@ -25,6 +25,7 @@ from .app import checked, enrol_recording, make_job, ready_service
 from .audio_encoding import available_formats
 from .errors import APIError
 from .schemas import SpeechRequest
+from .ui_player import LiveTakes
 from .worker import JobDone
 
 TAKE_FORMATS = ("wav", "mp3", "flac")  # downloads offered for each take (those this libsndfile can write)
@@ -71,6 +72,7 @@ class Playground:
         self.settings, self.voices, self.metrics = app.state.settings, app.state.voices, app.state.metrics
         self.takes_dir = Path(takes_dir or tempfile.mkdtemp(prefix="drama3-takes-"))
         self.takes_dir.mkdir(parents=True, exist_ok=True)
+        self.live = LiveTakes()  # the takes' audio for the page's live player, while they are spoken
 
     def service(self):
         return ready_service(self.app)

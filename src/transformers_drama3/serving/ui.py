@@ -19,14 +19,16 @@ import secrets
 
 import gradio as gr
 import pydantic
+from fastapi import Body, Request
 from fastapi.responses import HTMLResponse, StreamingResponse
 from gradio.routes import App
 
 from .draining import DrainingServer
+from ..audio_io import AudioEncoder
 from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
-from .ui_player import PLAYER_JS, STOP_JS, TOKEN
+from .ui_player import PLAYER_JS, STOP_JS, TOKEN, PageTake
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -40,15 +42,20 @@ PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers
 EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
 
 
-def user_error(error: Exception) -> gr.Error:
-    """A failure as the page shows it: the server's own message (an HTTP client reads the same), never a traceback."""
+def api_error(error: Exception) -> APIError:
+    """A failure of the page as the server's `APIError` (its message is what an HTTP client reads)."""
     if isinstance(error, APIError):
-        return gr.Error(error.message, print_exception=False)
+        return error
     if isinstance(error, pydantic.ValidationError):
         first = error.errors()[0]
-        return gr.Error(f"{'.'.join(map(str, first['loc']))}: {first['msg']}", print_exception=False)
+        return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}", code="invalid_value")
     logger.exception("the page failed")
-    return gr.Error("something went wrong on the server; its log has the details", print_exception=False)
+    return APIError(500, "something went wrong on the server; its log has the details", code="server_error")
+
+
+def user_error(error: Exception) -> gr.Error:
+    """A failure as the page shows it: the server's own message, never a traceback."""
+    return gr.Error(api_error(error).message, print_exception=False)
 
 
 def base_url(request: gr.Request) -> str:
@@ -81,7 +88,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     speak = gr.Button("Speak", variant="primary", elem_id="speak")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
                 gr.HTML('<div id="live-line"></div>', elem_id="live")  # the live player's line (ui_player.py)
-                live_token = gr.Textbox(visible=False)  # the take's live-stream token, set by PLAYER_JS
+                page_key = gr.Textbox(visible=False)  # the live route's key, filled when the page loads
+                live_token = gr.Textbox(visible=False)  # the take's token, drawn by PLAYER_JS
                 player = gr.Audio(label="Speech (the take, once complete)", interactive=False, elem_id="player")
                 take_info = gr.Markdown(elem_id="take-info")
             with gr.Column(scale=2):
@@ -208,22 +216,23 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     fields.get("top_p", values["top_p"]), fields.get("top_k", values["top_k"]), fields["seed"],
                     fields.get("max_new_tokens", values["max_new_tokens"]))
 
-        async def speak_take(words, voice_name, temp, p, k, seed_value, frames, takes_so_far, token):
-            values = {"temperature": temp, "top_p": p, "top_k": None if k is None else int(k),
-                      "seed": secrets.randbits(PAGE_SEED_BITS) if seed_value is None else int(seed_value),
-                      "max_new_tokens": None if frames is None else int(frames)}
-            fields = playground.request_fields(words, voice_name, values)
-            speaking, token = Speaking(), token if TOKEN.fullmatch(token or "") else None
+        async def speak_take(*inputs):
+            """Wait for the take the click's PLAYER_JS is speaking through the live route, then keep it."""
+            token, takes_so_far = inputs[-2], inputs[-1]
+            if not TOKEN.fullmatch(token or ""):
+                raise gr.Error("the page's player did not start (is JavaScript off?): reload the page",
+                               print_exception=False)
+            live = playground.live.take(token)
             try:
-                async for chunk in playground.speak(fields, speaking):
-                    playground.live.put(token, chunk)
-                    if len(speaking.chunks) == 1:
-                        yield {take_info: f"Speaking… first audio after {speaking.first_audio_s * 1000:.0f} ms"}
+                await live.started.wait()
+                if live.speaking is not None and not live.ended.done():
+                    yield {take_info: f"Speaking… first audio after {live.speaking.first_audio_s * 1000:.0f} ms"}
+                fields, speaking = await live.ended
                 take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
             except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
                 raise user_error(error) from None
             finally:
-                playground.live.finish(token)
+                playground.live.forget(token)
             kept = [*takes_so_far, take]
             for old in kept[:-MAX_TAKES]:
                 playground.forget(old)
@@ -237,6 +246,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         page.load(show_defaults, outputs=[*setting_inputs, ras]).then(show_preview, text, preview)
         timer.tick(read_status, outputs=status)
         page.load(read_status, outputs=status)
+        page.load(lambda: playground.page_key, outputs=page_key)
         text.change(show_preview, text, preview, show_progress="hidden")
         add_line.click(append_line, [text, speaker, line], [text, line])
         refresh.click(voice_choices, voice, voice)
@@ -246,7 +256,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
         reset.click(show_defaults, outputs=[*setting_inputs, ras])
-        speaking = speak.click(speak_take, [text, voice, *setting_inputs, history, live_token],
+        speaking = speak.click(speak_take, [text, voice, *setting_inputs, page_key, live_token, history],
                                [player, take_info, history, takes], concurrency_limit=None, js=PLAYER_JS,
                                show_progress="hidden")  # the page's own line says how far it got
         stop.click(stopped, outputs=take_info, cancels=[speaking], js=STOP_JS)
@@ -271,12 +281,45 @@ def mount_page(app, path: str = PATH):
         return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="0; url={path}/">'
                             f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
 
-    @app.get(f"{path}/live/{{token}}", include_in_schema=False)
-    async def live_take(token: str) -> StreamingResponse:
+    @app.post(f"{path}/live/{{token}}", include_in_schema=False)
+    async def live_take(token: str, request: Request, inputs: dict = Body(...)) -> StreamingResponse:
+        """Speak the page's take `token` (ui_player.py): its pcm as it is decoded, or the server's error."""
         if not TOKEN.fullmatch(token):
-            raise APIError(404, "no such take", code="not_found")
-        rate = ready_service(app).model.config.sampling_rate
-        return StreamingResponse(playground.live.pcm(token, rate), media_type="audio/pcm",
+            raise APIError(404, "no such take: the page draws its takes' tokens itself", code="not_found")
+        given = request.headers.get("x-page-key", "")
+        if playground.page_key and not secrets.compare_digest(given.encode(), playground.page_key.encode()):
+            raise APIError(401, "this page has no valid key: reload it and log in", code="invalid_api_key")
+        live, speaking = playground.live.take(token), Speaking()
+        try:
+            body = PageTake.model_validate(inputs)
+            seed = secrets.randbits(PAGE_SEED_BITS) if body.seed is None else body.seed
+            fields = playground.request_fields(body.text, body.voice, {
+                "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": seed,
+                "max_new_tokens": body.max_new_tokens})
+            rate = ready_service(app).model.config.sampling_rate
+            chunks = playground.speak(fields, speaking)
+            first = await anext(chunks)
+        except Exception as error:  # noqa: BLE001  (the page's event shows it; the browser gets it as JSON)
+            live.end(error=api_error(error))
+            raise live.ended.exception() from None
+        live.first_audio(speaking)
+
+        async def pcm():
+            encoder = AudioEncoder("pcm", rate, streamed=True)  # the HTTP API's pcm
+            try:
+                yield encoder.encode(first)
+                async for chunk in chunks:
+                    yield encoder.encode(chunk)
+                yield encoder.finish()
+                live.end((fields, speaking))
+            except Exception as error:  # noqa: BLE001  (after the first audio: the stream breaks off)
+                live.end(error=api_error(error))
+                raise
+            finally:
+                live.end(error=APIError(499, "the page stopped listening", code="cancelled"))
+                await chunks.aclose()
+
+        return StreamingResponse(pcm(), media_type="audio/pcm",
                                  headers={"X-Sampling-Rate": str(rate), "Cache-Control": "no-store"})
 
     app.state.page = build_page(app, playground)

@@ -1,15 +1,18 @@
 """The playground's live player: a take's audio played in the browser while the server makes it.
 
-Gradio's own streamed `Audio` plays about 1.5 s late (it serves AAC segments that its player polls), so the page plays
-the take itself. When Speak is clicked, `PLAYER_JS` (run by the click before the request goes to the server) draws a
-random token, starts `GET /ui/live/TOKEN` and hands the token to the page's speak function with the other inputs. The
-speak function puts each decoded chunk of the take into `LiveTakes` under that token, and the live route sends them
-as they come: 16-bit little-endian pcm at the model's rate (`X-Sampling-Rate`), the bytes of the HTTP API's `pcm`
-(the same `AudioEncoder`). The browser schedules every chunk with the Web Audio API right behind the one before, and
-measures the time from the click to the first chunk scheduled: the page shows it, and keeps its figures in
-`window.drama3Live` (benchmarks/serve_ui.py and the browser tests read them).
+Gradio's own streamed `Audio` plays about 1.5 s late (it serves AAC segments that its player polls), and an event
+through Gradio's queue reaches the server some tens of milliseconds after the click. So the page speaks a take the
+way an HTTP client does. A click on Speak runs `PLAYER_JS` in the browser first: it draws a random token and sends
+the page's text, voice and settings to `POST /ui/live/TOKEN` itself. That route checks them as
+`POST /v1/audio/speech` does, queues the request and answers with its audio as it is decoded: 16-bit little-endian
+pcm at the model's rate (`X-Sampling-Rate`), made by the HTTP API's `pcm` encoder. The browser schedules each chunk
+with the Web Audio API right behind the one before, and measures the time from the click to the first chunk
+scheduled: the page shows it, and keeps its figures in `window.drama3Live` (read by benchmarks/serve_ui.py and the
+browser tests). Gradio's own event (the page's speak function, given the token) waits for that take under its token
+(`LiveTakes`) and keeps it in the page's history when it ends, or shows its error.
 
-The token is the only key to a take's stream: 128 random bits drawn by the page that spoke it, never shown.
+With `--api-key` the route needs the page key (`X-Page-Key`): a random key of this server that only a page which
+passed the login receives (its load event fills a hidden box with it).
 """
 
 from __future__ import annotations
@@ -17,18 +20,18 @@ from __future__ import annotations
 import asyncio
 import re
 
-from ..audio_io import AudioEncoder
+from pydantic import BaseModel, ConfigDict
 
 TOKEN = re.compile(r"[0-9a-f]{32}")  # what PLAYER_JS draws: 16 random bytes in hex
-LIVE_WAIT_SECONDS = 120.0  # the longest a listener waits for the next chunk (a take's start waits in the queue too)
-MAX_LIVE = 64  # takes kept for a listener; the oldest go first (a page whose listener never came)
+MAX_LIVE = 64  # takes kept for the page's speak functions; the oldest go first
 
-# Run by Speak's click in the browser before the request (Gradio's `js=`): its arguments are the click's input values,
-# the last one the token's hidden box; it returns them with the token in that box. `drama3Player` is made once.
+# Run by Speak's click in the browser before Gradio sends the event (Gradio's `js=`). Its arguments are the click's
+# inputs in ui.py's order (text, voice, temperature, top_p, top_k, seed, max frames, the page key, the token's hidden
+# box); it returns them with the token in its box. `drama3Player` is made once per page.
 PLAYER_JS = r"""
 (...inputs) => {
   const player = window.drama3Player ??= {
-    context: null, controller: null,
+    controller: null, context: null,
     stop() {
       this.controller?.abort();
       this.context?.close();
@@ -38,15 +41,20 @@ PLAYER_JS = r"""
       const line = document.querySelector('#live-line');
       if (line) line.textContent = text;
     },
-    async play(url, clicked) {
+    async play(url, body, pageKey, clicked) {
       this.stop();
       const controller = this.controller = new AbortController();
       const context = this.context = new AudioContext();
       const live = window.drama3Live = {first_audio_ms: null, chunks: 0, samples: 0, done: false, error: null};
       this.show('Waiting for the first audio…');
       try {
-        const response = await fetch(url, {signal: controller.signal, cache: 'no-store'});
-        if (!response.ok) throw new Error(`the live stream answered ${response.status}`);
+        const response = await fetch(url, {method: 'POST', body: JSON.stringify(body), signal: controller.signal,
+                                           headers: {'Content-Type': 'application/json', 'X-Page-Key': pageKey}});
+        if (!response.ok) {  // the page's own event shows the server's message
+          live.error = `${response.status}: ${(await response.json()).error?.message}`;
+          this.show('');
+          return;
+        }
         const rate = Number(response.headers.get('X-Sampling-Rate'));
         const reader = response.body.getReader();
         let carried = new Uint8Array(0), next = 0;
@@ -80,16 +88,18 @@ PLAYER_JS = r"""
       } catch (error) {
         if (error.name !== 'AbortError') {
           live.error = String(error);
-          this.show('The live player stopped: the take still plays below once it is complete');
+          this.show('The live player stopped: the take plays below once it is complete');
         }
       }
     },
   };
   const clicked = performance.now();
+  const [text, voice, temperature, top_p, top_k, seed, max_new_tokens, pageKey] = inputs;
   const token = Array.from(crypto.getRandomValues(new Uint8Array(16)), b => b.toString(16).padStart(2, '0')).join('');
   const root = (window.gradio_config?.root || location.href).replace(/\/+$/, '');
-  player.play(new URL(root + '/live/' + token, location.href), clicked);
-  inputs[inputs.length - 1] = token;
+  player.play(new URL(root + '/live/' + token, location.href),
+              {text, voice, temperature, top_p, top_k, seed, max_new_tokens}, pageKey || '', clicked);
+  inputs[8] = token;
   return inputs;
 }
 """
@@ -97,42 +107,54 @@ PLAYER_JS = r"""
 STOP_JS = "() => { window.drama3Player?.stop(); }"
 
 
-class LiveTakes:
-    """The chunks of the takes being spoken, by token, for the live route; `None` ends a take."""
+class PageTake(BaseModel):
+    """The body of `POST /ui/live/TOKEN`: the page's inputs as the browser holds them (None: left empty)."""
+
+    model_config = ConfigDict(extra="forbid")
+    text: str
+    voice: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+
+
+class LiveTake:
+    """One take of the page, spoken by the live route and awaited by the page's speak function under its token."""
 
     def __init__(self):
-        self.queues: dict[str, asyncio.Queue] = {}
+        self.started = asyncio.Event()  # set with the first audio, or when the take ends without any
+        self.ended = asyncio.get_running_loop().create_future()  # (request fields, Speaking), or the take's error
+        self.speaking = None
 
-    def queue(self, token: str) -> asyncio.Queue:
-        """The take's queue, made by whichever comes first: the speak function or the listener."""
-        if token not in self.queues:
-            while len(self.queues) >= MAX_LIVE:
-                del self.queues[next(iter(self.queues))]
-            self.queues[token] = asyncio.Queue()
-        return self.queues[token]
+    def first_audio(self, speaking) -> None:
+        self.speaking = speaking
+        self.started.set()
 
-    def put(self, token: str | None, chunk) -> None:
-        """Add a float32 chunk `[samples]` (nothing without a token: a caller of the page's API without the player)."""
-        if token:
-            self.queue(token).put_nowait(chunk)
-
-    def finish(self, token: str | None) -> None:
-        """The take ended (finished, failed or stopped): its listener's stream ends."""
-        if token:
-            self.queue(token).put_nowait(None)
-
-    async def pcm(self, token: str, sampling_rate: int):
-        """The take's audio as pcm bytes, as it comes; ends with the take, or after `LIVE_WAIT_SECONDS` of silence."""
-        queue = self.queue(token)
-        encoder = AudioEncoder("pcm", sampling_rate, streamed=True)  # the encoder of the HTTP API's pcm
-        try:
-            while (chunk := await asyncio.wait_for(queue.get(), LIVE_WAIT_SECONDS)) is not None:
-                data = encoder.encode(chunk)
-                if data:
-                    yield data
-            yield encoder.finish()
-        except TimeoutError:
+    def end(self, result=None, error: BaseException | None = None) -> None:
+        if self.ended.done():
             return
-        finally:
-            if self.queues.get(token) is queue:
-                del self.queues[token]
+        if error is not None:
+            self.ended.set_exception(error)
+            self.ended.exception()  # read once: a take whose page went away leaves no "never retrieved" warning
+        else:
+            self.ended.set_result(result)
+        self.started.set()
+
+
+class LiveTakes:
+    """The page's takes in flight, by token: made by whichever comes first, the live route or the speak function."""
+
+    def __init__(self):
+        self.takes: dict[str, LiveTake] = {}
+
+    def take(self, token: str) -> LiveTake:
+        if token not in self.takes:
+            while len(self.takes) >= MAX_LIVE:  # takes whose page never asked for them
+                del self.takes[next(iter(self.takes))]
+            self.takes[token] = LiveTake()
+        return self.takes[token]
+
+    def forget(self, token: str) -> None:
+        self.takes.pop(token, None)

@@ -11,6 +11,8 @@ HTTP responses, so a take's wav is byte for byte what the same request over HTTP
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import shutil
 import tempfile
 import time
@@ -72,7 +74,11 @@ class Playground:
         self.settings, self.voices, self.metrics = app.state.settings, app.state.voices, app.state.metrics
         self.takes_dir = Path(takes_dir or tempfile.mkdtemp(prefix="drama3-takes-"))
         self.takes_dir.mkdir(parents=True, exist_ok=True)
-        self.live = LiveTakes()  # the takes' audio for the page's live player, while they are spoken
+        self.live = LiveTakes()  # the takes the page's live player is speaking (ui_player.py)
+        # The live route's key with --api-key: only a page past the login gets it. Derived from the API key, so a page
+        # left open while the server restarts still holds a valid one.
+        key = self.settings.api_key
+        self.page_key = "" if key is None else hmac.new(key.encode(), b"drama3 page", hashlib.sha256).hexdigest()
 
     def service(self):
         return ready_service(self.app)

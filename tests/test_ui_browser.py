@@ -279,11 +279,16 @@ def test_a_control_token_is_refused_with_the_servers_message(browser, server):
 def test_the_copied_curl_command_returns_the_pages_take(browser, server, downloads, tmp_path):
     browser.open()
     browser.fill("temperature", 0.7)
+    browser.driver.find_element(By.CSS_SELECTOR, "#more-accordion button").click()  # it opens closed
+    browser.fill("ras_top_k", 5)
+    browser.fill("codebook_top_p", 0.5)
     browser.speak_take(1, "<|speaker:0|> Copy me, exactly.", seed=77)
     page_wav = browser.download(downloads, "wav")
     command = browser.wait(lambda: "curl" in (code := browser.driver.find_element(
         By.CSS_SELECTOR, "#code-curl .cm-content").get_attribute("innerText")) and code, "the curl command")
-    assert '"temperature": 0.7' in command and '"seed": 77' in command, command
+    for field in ('"temperature": 0.7', '"seed": 77', '"ras_top_k": 5', '"codebook_top_p": 0.5'):
+        assert field in command, command
+    assert '"ras_window"' not in command, command  # left at the model's value: left out
     subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, timeout=TIMEOUT)
     assert (tmp_path / "take.wav").read_bytes() == page_wav
 

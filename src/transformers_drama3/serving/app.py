@@ -555,5 +555,5 @@ class RequestGuard:
         return None
 
 
-__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
+__all__ = ["MORE_SAMPLING", "RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
            "start_draining"]

@@ -28,7 +28,7 @@ from ..audio_io import AudioEncoder
 from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
-from .ui_player import PLAYER_JS, STOP_JS, TOKEN, PageTake
+from .ui_player import STOP_JS, TOKEN, PageTake, player_js
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -36,8 +36,9 @@ logger = logging.getLogger("transformers_drama3.serving")
 PATH = "/ui"
 SPEAKERS = [str(n) for n in range(16)]
 STATUS_SECONDS = 2.0  # how often the status line is read
-SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")  # the page's settings sent with a request
-RAS = ("ras_window", "ras_temperature", "ras_top_k", "ras_top_p")  # shown, fixed by the model
+# The page's settings, each a field of the speech request, in the order of its inputs (PLAYER_JS reads them so).
+SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "ras_window", "ras_temperature", "ras_top_k",
+            "ras_top_p", "codebook_temperature", "codebook_top_k", "codebook_top_p")
 PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers (2**53), short to copy
 EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
 
@@ -123,7 +124,22 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     max_frames = gr.Number(defaults["max_new_tokens"], precision=0, minimum=1,
                                            maximum=settings.max_frames,
                                            label="max frames per text chunk (21.5 frames = 1 s)", elem_id="max_frames")
-                    ras = gr.Markdown(elem_id="ras")
+                    with gr.Accordion("Repetition-aware sampling and codebooks", open=False,
+                                      elem_id="more-accordion"):
+                        ras_window = gr.Number(defaults["ras_window"], precision=0, minimum=0,
+                                               label="ras_window: frames looked back over (0: off)", elem_id="ras_window")
+                        ras_temperature = gr.Slider(0.05, 2, defaults["ras_temperature"], step=0.05,
+                                                    label="ras_temperature", elem_id="ras_temperature")
+                        ras_top_k = gr.Number(defaults["ras_top_k"], precision=0, minimum=0,
+                                              label="ras_top_k (0: no limit)", elem_id="ras_top_k")
+                        ras_top_p = gr.Slider(0.01, 1, defaults["ras_top_p"], step=0.01, label="ras_top_p",
+                                              elem_id="ras_top_p")
+                        codebook_temperature = gr.Slider(0.05, 2, defaults["codebook_temperature"], step=0.05,
+                                                         label="codebook_temperature", elem_id="codebook_temperature")
+                        codebook_top_k = gr.Number(defaults["codebook_top_k"], precision=0, minimum=0,
+                                                   label="codebook_top_k (0: no limit)", elem_id="codebook_top_k")
+                        codebook_top_p = gr.Slider(0.01, 1, defaults["codebook_top_p"], step=0.01,
+                                                   label="codebook_top_p", elem_id="codebook_top_p")
                     reset = gr.Button("Reset to the model's defaults", size="sm", elem_id="reset")
         with gr.Accordion("History of takes", open=True):
             takes = gr.Dropdown([], label="Take", elem_id="takes")
@@ -141,7 +157,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             with gr.Tab("Python (synthesize)"):
                 python = gr.Code(language="python", elem_id="code-python", interactive=False)
         timer = gr.Timer(STATUS_SECONDS)
-        setting_inputs = [temperature, top_p, top_k, seed, max_frames]
+        setting_inputs = [temperature, top_p, top_k, seed, max_frames, ras_window, ras_temperature, ras_top_k,
+                          ras_top_p, codebook_temperature, codebook_top_k, codebook_top_p]  # SETTINGS' order
 
         def read_status() -> str:
             state = playground.status()
@@ -153,9 +170,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     f"{state['occupancy']}")
 
         def show_defaults():
-            values = playground.defaults()
-            ras_line = "RAS (fixed by the model): " + ", ".join(f"{name} {values[name]}" for name in RAS)
-            return (values["temperature"], values["top_p"], values["top_k"], None, values["max_new_tokens"], ras_line)
+            values = {**playground.defaults(), "seed": None}
+            return tuple(values[name] for name in SETTINGS)
 
         def show_preview(value: str) -> str:
             try:
@@ -211,10 +227,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             take = next((t for t in takes_so_far if t.label == chosen), None)
             if take is None:
                 raise gr.Error("pick a take first", print_exception=False)
-            fields, values = take.fields, playground.defaults()
-            return (take.fields["input"], take.fields["voice"], fields.get("temperature", values["temperature"]),
-                    fields.get("top_p", values["top_p"]), fields.get("top_k", values["top_k"]), fields["seed"],
-                    fields.get("max_new_tokens", values["max_new_tokens"]))
+            values = {**playground.defaults(), **take.fields}  # a setting left out of the request had its default
+            return (take.fields["input"], take.fields["voice"], *(values[name] for name in SETTINGS))
 
         async def speak_take(*inputs):
             """Wait for the take the click's PLAYER_JS is speaking through the live route, then keep it."""
@@ -243,7 +257,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         def stopped() -> str:
             return "Stopped: the server cancelled the request."
 
-        page.load(show_defaults, outputs=[*setting_inputs, ras]).then(show_preview, text, preview)
+        page.load(show_defaults, outputs=setting_inputs).then(show_preview, text, preview)
         timer.tick(read_status, outputs=status)
         page.load(read_status, outputs=status)
         page.load(lambda: playground.page_key, outputs=page_key)
@@ -255,9 +269,9 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         delete.click(ask_delete, voice, [confirm_row, confirm_text])
         keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
-        reset.click(show_defaults, outputs=[*setting_inputs, ras])
+        reset.click(show_defaults, outputs=setting_inputs)
         speaking = speak.click(speak_take, [text, voice, *setting_inputs, page_key, live_token, history],
-                               [player, take_info, history, takes], concurrency_limit=None, js=PLAYER_JS,
+                               [player, take_info, history, takes], concurrency_limit=None, js=player_js(SETTINGS),
                                show_progress="hidden")  # the page's own line says how far it got
         stop.click(stopped, outputs=take_info, cancels=[speaking], js=STOP_JS)
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python])
@@ -292,10 +306,10 @@ def mount_page(app, path: str = PATH):
         live, speaking = playground.live.take(token), Speaking()
         try:
             body = PageTake.model_validate(inputs)
-            seed = secrets.randbits(PAGE_SEED_BITS) if body.seed is None else body.seed
-            fields = playground.request_fields(body.text, body.voice, {
-                "temperature": body.temperature, "top_p": body.top_p, "top_k": body.top_k, "seed": seed,
-                "max_new_tokens": body.max_new_tokens})
+            values = {name: getattr(body, name) for name in SETTINGS}
+            if values["seed"] is None:
+                values["seed"] = secrets.randbits(PAGE_SEED_BITS)
+            fields = playground.request_fields(body.text, body.voice, values)
             rate = ready_service(app).model.config.sampling_rate
             chunks = playground.speak(fields, speaking)
             first = await anext(chunks)

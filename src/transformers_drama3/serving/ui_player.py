@@ -18,6 +18,7 @@ passed the login receives (its load event fills a hidden box with it).
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 
 from pydantic import BaseModel, ConfigDict
@@ -26,10 +27,11 @@ TOKEN = re.compile(r"[0-9a-f]{32}")  # what PLAYER_JS draws: 16 random bytes in 
 MAX_LIVE = 64  # takes kept for the page's speak functions; the oldest go first
 
 # Run by Speak's click in the browser before Gradio sends the event (Gradio's `js=`). Its arguments are the click's
-# inputs in ui.py's order (text, voice, temperature, top_p, top_k, seed, max frames, the page key, the token's hidden
-# box); it returns them with the token in its box. `drama3Player` is made once per page.
+# inputs in ui.py's order: the text, the voice, the settings (named in SETTINGS_NAMES), the page key and the token's
+# hidden box; it returns them with the token in its box. `drama3Player` is made once per page.
 PLAYER_JS = r"""
 (...inputs) => {
+  const names = SETTINGS_NAMES;
   const player = window.drama3Player ??= {
     controller: null, context: null,
     stop() {
@@ -94,17 +96,22 @@ PLAYER_JS = r"""
     },
   };
   const clicked = performance.now();
-  const [text, voice, temperature, top_p, top_k, seed, max_new_tokens, pageKey] = inputs;
+  const body = {text: inputs[0], voice: inputs[1]};
+  names.forEach((name, index) => { body[name] = inputs[2 + index]; });
   const token = Array.from(crypto.getRandomValues(new Uint8Array(16)), b => b.toString(16).padStart(2, '0')).join('');
   const root = (window.gradio_config?.root || location.href).replace(/\/+$/, '');
-  player.play(new URL(root + '/live/' + token, location.href),
-              {text, voice, temperature, top_p, top_k, seed, max_new_tokens}, pageKey || '', clicked);
-  inputs[8] = token;
+  player.play(new URL(root + '/live/' + token, location.href), body, inputs[2 + names.length] || '', clicked);
+  inputs[3 + names.length] = token;
   return inputs;
 }
 """
 
 STOP_JS = "() => { window.drama3Player?.stop(); }"
+
+
+def player_js(settings: tuple[str, ...]) -> str:
+    """PLAYER_JS for a page whose settings inputs are `settings`, in order."""
+    return PLAYER_JS.replace("SETTINGS_NAMES", json.dumps(list(settings)))
 
 
 class PageTake(BaseModel):
@@ -118,6 +125,13 @@ class PageTake(BaseModel):
     top_k: int | None = None
     seed: int | None = None
     max_new_tokens: int | None = None
+    ras_window: int | None = None
+    ras_temperature: float | None = None
+    ras_top_k: int | None = None
+    ras_top_p: float | None = None
+    codebook_temperature: float | None = None
+    codebook_top_k: int | None = None
+    codebook_top_p: float | None = None
 
 
 class LiveTake:

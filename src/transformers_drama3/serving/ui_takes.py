@@ -23,7 +23,7 @@ import torch
 
 from ..audio_io import AudioEncoder
 from ..generation_drama3 import DRAMA3_GENERATION_DEFAULTS
-from .app import checked, enrol_recording, make_job, ready_service
+from .app import MORE_SAMPLING, checked, enrol_recording, make_job, ready_service
 from .audio_encoding import available_formats
 from .errors import APIError
 from .schemas import SpeechRequest
@@ -125,10 +125,13 @@ class Playground:
 
     def request_fields(self, text: str, voice: str, settings: dict) -> dict:
         """The request body of a take: the served model, the text, the voice and the page's settings (None: left out
-        so that the server's default applies)."""
+        so that the server's default applies; so are the RAS and codebook settings at the model's values, which keeps
+        the copied code short)."""
         fields = {"model": self.settings.model_name, "input": text, "voice": voice or "default",
                   "response_format": "wav"}
-        fields.update({name: value for name, value in settings.items() if value is not None})
+        defaults = self.defaults()
+        fields.update({name: value for name, value in settings.items()
+                       if value is not None and not (name in MORE_SAMPLING and value == defaults[name])})
         return fields
 
     async def speak(self, fields: dict, speaking: Speaking):

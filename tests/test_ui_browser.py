@@ -122,6 +122,11 @@ class Page:
     def text(self, elem_id: str) -> str:
         return self.element(elem_id).text
 
+    def value(self, elem_id: str) -> str:
+        """What a text box or number field holds."""
+        return self.driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input").get_attribute(
+            "value")
+
     def fill(self, elem_id: str, value) -> None:
         box = self.driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input[type=number], "
                                                         f"#{elem_id} input")
@@ -164,6 +169,11 @@ class Page:
             self.fill("seed", seed)
         self.click("speak")
         return self.take(number)
+
+    def copied_curl(self) -> str:
+        """The curl command of the selected take (Copy as code)."""
+        return self.wait(lambda: "curl" in (code := self.driver.find_element(
+            By.CSS_SELECTOR, "#code-curl .cm-content").get_attribute("innerText")) and code, "the curl command")
 
     def download(self, folder: Path, name: str, number: int = 1) -> bytes:
         """Click take `number`'s download button; the file's bytes once the browser has written it (a click that
@@ -284,8 +294,7 @@ def test_the_copied_curl_command_returns_the_pages_take(browser, server, downloa
     browser.fill("codebook_top_p", 0.5)
     browser.speak_take(1, "<|speaker:0|> Copy me, exactly.", seed=77)
     page_wav = browser.download(downloads, "wav")
-    command = browser.wait(lambda: "curl" in (code := browser.driver.find_element(
-        By.CSS_SELECTOR, "#code-curl .cm-content").get_attribute("innerText")) and code, "the curl command")
+    command = browser.copied_curl()
     for field in ('"temperature": 0.7', '"seed": 77', '"ras_top_k": 5', '"codebook_top_p": 0.5'):
         assert field in command, command
     assert '"ras_window"' not in command, command  # left at the model's value: left out
@@ -295,11 +304,20 @@ def test_the_copied_curl_command_returns_the_pages_take(browser, server, downloa
 
 def test_a_page_left_open_recovers_after_the_server_restarts(browser, server):
     browser.open()
+    text = "<|speaker:1|> Still here after the restart."
+    browser.fill("text", text)
+    browser.fill("temperature", 0.8)
+    browser.fill("max_frames", FRAMES)
     browser.driver.execute_script("window.leftOpen = true")
     server.stop()
     server.start()
-    # Gradio's page sees its server back and reloads itself (what was typed is lost; the voices and the server's
-    # state are not): then it speaks again with nobody touching it.
+    # Gradio's page sees its server back and reloads itself, and what was typed comes back from the browser's
+    # storage: then it speaks again with nobody typing anything.
     browser.wait(lambda: browser.driver.execute_script("return window.leftOpen") is None
                  and "quantisation" in browser.text("status"), "the page to reload itself")
-    browser.speak_take(1, "I am back.", seed=5)
+    browser.wait(lambda: browser.value("text") == text, "the typed text back in the text box")
+    assert browser.value("temperature") == "0.8" and browser.value("max_frames") == str(FRAMES)
+    browser.click("speak")
+    browser.take(1)
+    command = browser.copied_curl()
+    assert '"temperature": 0.8' in command and "Still here after the restart." in command, command

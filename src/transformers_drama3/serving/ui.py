@@ -73,6 +73,10 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
 
     with gr.Blocks(title="Drama 3 playground", analytics_enabled=False) as page:
         history = gr.State([])  # the page's takes, newest last
+        # What was typed and set, kept in the browser (localStorage) as it changes, so that a reload (the page reloads
+        # itself when its server restarts) brings it back. The key only needs to be the same after a restart: the
+        # text is the user's own, in their own browser.
+        typed = gr.BrowserState(None, storage_key="drama3-playground", secret=playground.page_key or "drama3")
         gr.Markdown("## Drama 3 playground\nSpeak text, clone a voice, and copy the request as code. "
                     "[API docs](../docs) · [metrics](../metrics)")
         status = gr.Markdown("Reading the server's status…", elem_id="status")
@@ -173,6 +177,15 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             values = {**playground.defaults(), "seed": None}
             return tuple(values[name] for name in SETTINGS)
 
+        def restore(saved):
+            """The page's text, voice and settings as this browser left them (else the example and the defaults)."""
+            values = [EXAMPLE, "default", *show_defaults()]
+            if isinstance(saved, list) and len(saved) == len(values):
+                values = saved
+            if values[1] not in playground.voice_names():  # deleted meanwhile
+                values[1] = "default"
+            return values
+
         def show_preview(value: str) -> str:
             try:
                 chunks = playground.preview(value)
@@ -257,7 +270,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         def stopped() -> str:
             return "Stopped: the server cancelled the request."
 
-        page.load(show_defaults, outputs=setting_inputs).then(show_preview, text, preview)
+        page.load(restore, typed, [text, voice, *setting_inputs]).then(show_preview, text, preview)
         timer.tick(read_status, outputs=status)
         page.load(read_status, outputs=status)
         page.load(lambda: playground.page_key, outputs=page_key)
@@ -270,6 +283,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
         reset.click(show_defaults, outputs=setting_inputs)
+        gr.on([box.change for box in [text, voice, *setting_inputs]], None, [text, voice, *setting_inputs], typed,
+              js="(...values) => [values]")  # in the browser only: no call to the server
         speaking = speak.click(speak_take, [text, voice, *setting_inputs, page_key, live_token, history],
                                [player, take_info, history, takes], concurrency_limit=None, js=player_js(SETTINGS),
                                show_progress="hidden")  # the page's own line says how far it got

@@ -132,6 +132,9 @@ class Page:
         self.driver, self.server = driver, server
 
     def open(self) -> None:
+        """Open the page as a new visitor (without what an earlier test typed, which the browser keeps)."""
+        self.driver.execute_cdp_cmd("Storage.clearDataForOrigin", {"origin": self.server.url,
+                                                                  "storageTypes": "local_storage"})
         self.driver.get(self.server.url + "/")  # `/` links to the page
         self.wait(lambda: "quantisation" in self.text("status"), "the status line")
 

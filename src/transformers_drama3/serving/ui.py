@@ -182,8 +182,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             values = [EXAMPLE, "default", *show_defaults()]
             if isinstance(saved, list) and len(saved) == len(values):
                 values = saved
-            if values[1] not in playground.voice_names():  # deleted meanwhile
-                values[1] = "default"
+            values[1] = voice_choices(values[1])  # the voices saved now (a saved voice may be gone)
             return values
 
         def show_preview(value: str) -> str:

@@ -255,6 +255,11 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     yield {take_info: f"Speaking… first audio after {live.speaking.first_audio_s * 1000:.0f} ms"}
                 fields, speaking = await live.ended
                 take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
+            except APIError as error:
+                if error.code != "cancelled":
+                    raise user_error(error) from None
+                yield {take_info: stopped()}  # Stop before the first audio: the page's event came after it
+                return
             except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
                 raise user_error(error) from None
             finally:

@@ -28,30 +28,34 @@ MAX_LIVE = 64  # takes kept for the page's speak functions; the oldest go first
 
 # Run by Speak's click in the browser before Gradio sends the event (Gradio's `js=`). Its arguments are the click's
 # inputs in ui.py's order: the text, the voice, the settings (named in SETTINGS_NAMES), the page key and the token's
-# hidden box; it returns them with the token in its box. `drama3Player` is made once per page.
+# hidden box; it returns them with the token in its box once the server has answered the take's request.
+# `drama3Player` is made once per page.
 PLAYER_JS = r"""
-(...inputs) => {
+async (...inputs) => {
   const names = SETTINGS_NAMES;
   const player = window.drama3Player ??= {
-    controller: null, context: null,
+    controller: null, context: null, sources: [],
     stop() {
       this.controller?.abort();
-      this.context?.close();
-      this.controller = this.context = null;
+      this.sources.forEach(source => source.stop());
+      this.controller = null;
+      this.sources = [];
     },
     show(text) {
       const line = document.querySelector('#live-line');
       if (line) line.textContent = text;
     },
-    async play(url, body, pageKey, clicked) {
+    async play(url, body, pageKey, clicked, answered) {
       this.stop();
       const controller = this.controller = new AbortController();
-      const context = this.context = new AudioContext();
+      const context = this.context ??= new AudioContext();  // one per page: making one costs the first audio time
+      context.resume();
       const live = window.drama3Live = {first_audio_ms: null, chunks: 0, samples: 0, done: false, error: null};
       this.show('Waiting for the first audio…');
       try {
         const response = await fetch(url, {method: 'POST', body: JSON.stringify(body), signal: controller.signal,
                                            headers: {'Content-Type': 'application/json', 'X-Page-Key': pageKey}});
+        answered();
         if (!response.ok) {  // the page's own event shows the server's message
           live.error = `${response.status}: ${(await response.json()).error?.message}`;
           this.show('');
@@ -79,6 +83,7 @@ PLAYER_JS = r"""
           next = Math.max(next, context.currentTime);  // right behind the chunk before, or now if it has ended
           source.start(next);
           next += buffer.duration;
+          this.sources.push(source);
           live.chunks += 1;
           live.samples += samples.length;
           if (live.first_audio_ms === null) {
@@ -87,11 +92,15 @@ PLAYER_JS = r"""
           }
         }
         live.done = true;
+        const last = this.sources[this.sources.length - 1];
+        if (last) last.onended = () => { if (this.controller === controller) context.suspend(); };  // idle: no CPU
       } catch (error) {
         if (error.name !== 'AbortError') {
           live.error = String(error);
           this.show('The live player stopped: the take plays below once it is complete');
         }
+      } finally {
+        answered();
       }
     },
   };
@@ -100,7 +109,10 @@ PLAYER_JS = r"""
   names.forEach((name, index) => { body[name] = inputs[2 + index]; });
   const token = Array.from(crypto.getRandomValues(new Uint8Array(16)), b => b.toString(16).padStart(2, '0')).join('');
   const root = (window.gradio_config?.root || location.href).replace(/\/+$/, '');
-  player.play(new URL(root + '/live/' + token, location.href), body, inputs[2 + names.length] || '', clicked);
+  // Gradio sends the page's event once the server has answered (with the first audio, or an error), so that the
+  // event's work in the browser and on the server does not delay the first audio.
+  await new Promise(answered => player.play(new URL(root + '/live/' + token, location.href), body,
+                                            inputs[2 + names.length] || '', clicked, answered));
   inputs[3 + names.length] = token;
   return inputs;
 }

@@ -331,16 +331,18 @@ def mount_page(app, path: str = PATH):
             fields = playground.request_fields(body.text, body.voice, values)
             rate = ready_service(app).model.config.sampling_rate
             chunks = playground.speak(fields, speaking)
-            first = await anext(chunks)
+            first = await anext(chunks, None)  # None: a take that ended without audio
         except Exception as error:  # noqa: BLE001  (the page's event shows it; the browser gets it as JSON)
             live.end(error=api_error(error))
             raise live.ended.exception() from None
-        live.first_audio(speaking)
+        if first is not None:
+            live.first_audio(speaking)
 
         async def pcm():
             encoder = AudioEncoder("pcm", rate, streamed=True)  # the HTTP API's pcm
             try:
-                yield encoder.encode(first)
+                if first is not None:
+                    yield encoder.encode(first)
                 async for chunk in chunks:
                     yield encoder.encode(chunk)
                 yield encoder.finish()

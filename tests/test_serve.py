@@ -279,6 +279,20 @@ def test_top_k_zero_means_no_limit(http):
     assert speech(http, top_k=0, **body).content == speech(http, **body).content
 
 
+def test_ras_and_codebook_settings_reach_generate(http, reference):
+    """Drama 3's other sampling settings, sent over HTTP, give `generate`'s audio with the same settings, which is
+    not the audio of the model's defaults."""
+    body = {"input": "Hello there.", "seed": 5, "max_new_tokens": 8}
+    more = {"ras_window": 4, "ras_temperature": 0.5, "ras_top_k": 3, "ras_top_p": 0.5, "codebook_temperature": 0.7,
+            "codebook_top_k": 2, "codebook_top_p": 0.6}
+    response = speech(http, response_format="wav", **body, **more)
+    assert response.status_code == 200, response.text
+    _, expected = generated(reference, body["input"], seed=5, max_new_tokens=8, **more)
+    _, defaults = generated(reference, body["input"], seed=5, max_new_tokens=8)
+    assert_close_pcm(wav_samples(response.content), expected)
+    assert expected.shape != defaults.shape or not np.array_equal(expected, defaults)
+
+
 def test_errors_in_the_users_terms(http):
     form = http.post("/v1/audio/speech", data={"model": MODEL, "input": "Hi."})
     assert form.status_code == 400 and "must be a JSON object" in form.json()["error"]["message"]
@@ -460,6 +474,11 @@ BAD_REQUESTS = [
     ({"temperature": -1}, 400, "temperature", "(send temperature 0 for greedy)"),  # generation_settings' words
     ({"top_p": 1.5}, 400, "top_p", "top_p must be"),
     ({"top_k": -1}, 400, "top_k", "top_k must be an integer in [0, 9223372036854775807], got -1 (0 or None: no limit)"),
+    ({"ras_top_p": 1.5}, 400, "ras_top_p", "ras_top_p must be a number in (0, 1], also once rounded to float32, got 1.5"),
+    ({"ras_window": -1}, 400, "ras_window", "ras_window must be an integer in [0, 9223372036854775807], got -1"),
+    ({"ras_temperature": 0}, 400, "ras_temperature", "ras_temperature must be a number in (0, 3.4028235e+38]"),
+    ({"codebook_top_k": -2}, 400, "codebook_top_k", "codebook_top_k must be an integer in [0,"),
+    ({"ras_top_k": "3"}, 400, "ras_top_k", "ras_top_k: Input should be a valid integer, got '3'"),
     # values the frame step's float32 and int64 tensors cannot hold, and types taken for others
     ({"temperature": 1e308}, 400, "temperature", "temperature must be a number in (0, 3.4028235e+38]"),
     ({"top_k": 10**20}, 400, "top_k", "got 100000000000000000000"),

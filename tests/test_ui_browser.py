@@ -52,16 +52,17 @@ def free_port() -> int:
 
 
 class Server:
-    """`drama3-serve --tiny --ui` in a child process, restartable on its port."""
+    """`drama3-serve --tiny --ui` in a child process (with `--api-key KEY` when given), restartable on its port."""
 
-    def __init__(self, folder: Path):
-        self.port, self.folder, self.process = free_port(), folder, None
+    def __init__(self, folder: Path, key: str | None = None):
+        self.port, self.folder, self.process, self.key = free_port(), folder, None, key
         self.url = f"http://127.0.0.1:{self.port}"
         (folder / "voices").mkdir()
 
     def start(self) -> None:
         command = [sys.executable, "-m", "transformers_drama3.serving.cli", "--tiny", "--ui", "--port",
-                   str(self.port), "--voices", str(self.folder / "voices"), "--max-reference-seconds", "5"]
+                   str(self.port), "--voices", str(self.folder / "voices"), "--max-reference-seconds", "5",
+                   *(["--api-key", self.key] if self.key else [])]
         log = open(self.folder / "server.log", "a")
         self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=default_sigint)
         if wait_until_healthy(self.process, self.url, TIMEOUT):
@@ -72,8 +73,10 @@ class Server:
         self.process.send_signal(signal.SIGINT)
         self.process.wait(timeout=TIMEOUT)
 
-    def speech(self, **fields) -> httpx.Response:
-        return httpx.post(f"{self.url}/v1/audio/speech", json={"model": MODEL, **fields}, timeout=TIMEOUT)
+    def speech(self, key: str | None = None, **fields) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        return httpx.post(f"{self.url}/v1/audio/speech", json={"model": MODEL, **fields}, headers=headers,
+                          timeout=TIMEOUT)
 
     def cancelled(self) -> float:
         metrics = httpx.get(f"{self.url}/metrics", timeout=TIMEOUT).text
@@ -93,12 +96,28 @@ def downloads(tmp_path_factory):
     return tmp_path_factory.mktemp("downloads")
 
 
+MICROPHONE_SECONDS = 3  # the fake microphone's recording, played in a loop
+
+
 @pytest.fixture(scope="module")
-def browser(server, downloads, tmp_path_factory):
+def microphone(tmp_path_factory) -> Path:
+    """What Chromium's fake microphone hears: a 220 Hz tone (a 16-bit WAV, the form Chromium reads)."""
+    import soundfile
+
+    path, rate = tmp_path_factory.mktemp("microphone") / "tone.wav", 48000
+    time_axis = np.arange(MICROPHONE_SECONDS * rate) / rate
+    soundfile.write(path, (0.3 * np.sin(2 * np.pi * 220 * time_axis)).astype(np.float32), rate, subtype="PCM_16")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser(server, downloads, microphone, tmp_path_factory):
     os.environ["SE_OFFLINE"] = "true"  # Selenium Manager must not look for a driver online: the system's is given
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
+    media = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",  # a microphone, allowed
+             f"--use-file-for-fake-audio-capture={microphone}"]
+    for flag in [*CHROMIUM_FLAGS, *media, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"]:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     driver.execute_cdp_cmd("Browser.setDownloadBehavior", {"behavior": "allow", "downloadPath": str(downloads)})
@@ -113,6 +132,9 @@ class Page:
         self.driver, self.server = driver, server
 
     def open(self) -> None:
+        """Open the page as a new visitor (without what an earlier test typed, which the browser keeps)."""
+        self.driver.execute_cdp_cmd("Storage.clearDataForOrigin", {"origin": self.server.url,
+                                                                  "storageTypes": "local_storage"})
         self.driver.get(self.server.url + "/")  # `/` links to the page
         self.wait(lambda: "quantisation" in self.text("status"), "the status line")
 
@@ -121,6 +143,11 @@ class Page:
 
     def text(self, elem_id: str) -> str:
         return self.element(elem_id).text
+
+    def value(self, elem_id: str) -> str:
+        """What a text box or number field holds."""
+        return self.driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input").get_attribute(
+            "value")
 
     def fill(self, elem_id: str, value) -> None:
         box = self.driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input[type=number], "
@@ -165,6 +192,11 @@ class Page:
         self.click("speak")
         return self.take(number)
 
+    def copied_curl(self) -> str:
+        """The curl command of the selected take (Copy as code)."""
+        return self.wait(lambda: "curl" in (code := self.driver.find_element(
+            By.CSS_SELECTOR, "#code-curl .cm-content").get_attribute("innerText")) and code, "the curl command")
+
     def download(self, folder: Path, name: str, number: int = 1) -> bytes:
         """Click take `number`'s download button; the file's bytes once the browser has written it (a click that
         came before the button showed the new take downloads the previous one, which is dropped: click again)."""
@@ -197,11 +229,17 @@ def test_speak_a_dialogue_line_streams_and_shows_time_to_first_audio(browser, se
     browser.click("speak")
     line = browser.take(1)
     assert re.search(r"first audio after \d+ ms · real-time factor \d", line), line
-    # The streamed player got audio to play, and the take holds all of it.
-    assert browser.driver.execute_script("return document.querySelector('#player audio').src").startswith(
-        ("blob:", "http")), "the player has no audio"
+    # The live player played the take as it came, all of it, and says when its first audio started.
+    live = browser.wait(lambda: (state := browser.driver.execute_script("return window.drama3Live"))["done"]
+                        and state, "the live player to reach the end of the take")
+    assert live["error"] is None and live["chunks"] >= 1, live
+    assert re.fullmatch(r"Playing: first audio in this browser \d+ ms after the click", browser.text("live")), (
+        browser.text("live"))
+    browser.wait(lambda: browser.driver.find_element(By.CSS_SELECTOR, "#player a[download]").get_attribute(
+        "download") == "drama3-take-1.wav", "the complete take in the player below")
     samples = np.frombuffer(browser.download(downloads, "wav")[44:], np.int16)
     assert samples.size > 0 and np.abs(samples).max() > 0
+    assert live["samples"] == samples.size  # the live stream carried every sample of the take
     # Offline: everything the page loaded came from this server.
     loaded = browser.driver.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
     assert loaded and all(url.startswith(server.url) for url in loaded), loaded
@@ -230,6 +268,28 @@ def test_enrol_a_voice_from_a_wav_file_and_speak_with_it(browser, server, tmp_pa
     assert [voice["id"] for voice in httpx.get(f"{server.url}/v1/voices").json()["data"]] == ["default", "tester"]
     browser.speak_take(1, "Hello from my own voice.")
     assert "· tester ·" in browser.driver.find_element(By.CSS_SELECTOR, "#takes input").get_attribute("value")
+
+
+def test_enrol_a_voice_from_the_microphone(browser, server):
+    browser.open()
+    browser.driver.find_element(By.CSS_SELECTOR, "#enrol-accordion button").click()
+    browser.fill("new-name", "microphone")
+    browser.driver.find_element(By.CSS_SELECTOR, "#recording button[aria-label='Record audio']").click()
+    browser.wait(lambda: browser.driver.find_element(By.CSS_SELECTOR, "#recording .record-button"),
+                 "the record button").click()
+    # Record until the page's clock shows 2 s, then stop (the fake microphone plays the tone).
+    browser.wait(lambda: re.search(r"0:0[2-9]", browser.text("recording")), "two seconds of recording")
+    browser.driver.find_element(By.CSS_SELECTOR, "#recording .stop-button").click()
+    browser.wait(lambda: browser.driver.find_elements(By.CSS_SELECTOR, "#recording .waveform-container"),
+                 "the recording, played back")
+    browser.fill("transcript", "A tone from the fake microphone.")
+    browser.click("enrol")
+    browser.wait(lambda: "Enrolled microphone" in browser.text("voice-info"), "the enrolment")
+    frames = httpx.get(f"{server.url}/v1/voices/microphone", timeout=TIMEOUT).json()["frames"]
+    assert 2 * 21 <= frames <= 5 * 22, frames  # about 2 s at 21.5 frames a second, within --max-reference-seconds
+    browser.pick("voice", "microphone")
+    browser.speak_take(1, "Hello from the microphone.")
+    assert "· microphone ·" in browser.driver.find_element(By.CSS_SELECTOR, "#takes input").get_attribute("value")
 
 
 def test_the_same_seed_gives_the_bytes_of_the_same_request_over_http(browser, server, downloads):
@@ -273,22 +333,59 @@ def test_a_control_token_is_refused_with_the_servers_message(browser, server):
 def test_the_copied_curl_command_returns_the_pages_take(browser, server, downloads, tmp_path):
     browser.open()
     browser.fill("temperature", 0.7)
+    browser.driver.find_element(By.CSS_SELECTOR, "#more-accordion button").click()  # it opens closed
+    browser.fill("ras_top_k", 5)
+    browser.fill("codebook_top_p", 0.5)
     browser.speak_take(1, "<|speaker:0|> Copy me, exactly.", seed=77)
     page_wav = browser.download(downloads, "wav")
-    command = browser.wait(lambda: "curl" in (code := browser.driver.find_element(
-        By.CSS_SELECTOR, "#code-curl .cm-content").get_attribute("innerText")) and code, "the curl command")
-    assert '"temperature": 0.7' in command and '"seed": 77' in command, command
+    command = browser.copied_curl()
+    for field in ('"temperature": 0.7', '"seed": 77', '"ras_top_k": 5', '"codebook_top_p": 0.5'):
+        assert field in command, command
+    assert '"ras_window"' not in command, command  # left at the model's value: left out
     subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True, timeout=TIMEOUT)
     assert (tmp_path / "take.wav").read_bytes() == page_wav
 
 
 def test_a_page_left_open_recovers_after_the_server_restarts(browser, server):
     browser.open()
+    text = "<|speaker:1|> Still here after the restart."
+    browser.fill("text", text)
+    browser.fill("temperature", 0.8)
+    browser.fill("max_frames", FRAMES)
     browser.driver.execute_script("window.leftOpen = true")
     server.stop()
     server.start()
-    # Gradio's page sees its server back and reloads itself (what was typed is lost; the voices and the server's
-    # state are not): then it speaks again with nobody touching it.
+    # Gradio's page sees its server back and reloads itself, and what was typed comes back from the browser's
+    # storage: then it speaks again with nobody typing anything.
     browser.wait(lambda: browser.driver.execute_script("return window.leftOpen") is None
                  and "quantisation" in browser.text("status"), "the page to reload itself")
-    browser.speak_take(1, "I am back.", seed=5)
+    browser.wait(lambda: browser.value("text") == text, "the typed text back in the text box")
+    assert browser.value("temperature") == "0.8" and browser.value("max_frames") == str(FRAMES)
+    browser.click("speak")
+    browser.take(1)
+    command = browser.copied_curl()
+    assert '"temperature": 0.8' in command and "Still here after the restart." in command, command
+
+
+def test_the_page_behind_an_api_key(browser, tmp_path_factory):
+    """With --api-key the page asks for the key, and then works: its own calls are authorised; HTTP calls without
+    the key, and the page's live route without the page's key, are still refused."""
+    keyed = Server(tmp_path_factory.mktemp("keyed-server"), key="sesame-4711")
+    keyed.start()
+    try:
+        page = Page(browser.driver, keyed)
+        page.driver.get(keyed.url + "/")
+        page.wait(lambda: page.driver.find_element(By.CSS_SELECTOR, "input[type=password]"), "the login form")
+        page.driver.find_element(By.CSS_SELECTOR, "input[data-testid=textbox]").send_keys("me")
+        page.driver.find_element(By.CSS_SELECTOR, "input[type=password]").send_keys("sesame-4711", Keys.ENTER)
+        page.wait(lambda: "quantisation" in page.text("status"), "the page after the login")
+        page.speak_take(1, "Behind a key.", seed=9)
+        assert page.driver.execute_script("return window.drama3Live.done"), "the live player played nothing"
+        assert "Authorization: Bearer $DRAMA3_API_KEY" in page.copied_curl()
+        refused = keyed.speech(input="No key.", max_new_tokens=FRAMES)
+        assert refused.status_code == 401 and "no API key" in refused.json()["error"]["message"]
+        assert keyed.speech(key="sesame-4711", input="A key.", max_new_tokens=FRAMES).status_code == 200
+        live = httpx.post(f"{keyed.url}/ui/live/{'0' * 32}", json={"text": "No page key."}, timeout=TIMEOUT)
+        assert live.status_code == 401, live.text
+    finally:
+        keyed.stop()

@@ -6,7 +6,7 @@ import shlex
 import subprocess
 import sys
 
-from transformers_drama3.serving.ui_code import curl_command
+from transformers_drama3.serving.ui_code import curl_command, openai_code, synthesize_code
 
 from .conftest import GOLDEN_TINY
 
@@ -32,3 +32,11 @@ def test_the_copied_curl_command_sends_the_takes_request_exactly():
     assert json.loads(words[words.index("-d") + 1]) == fields
     assert "Authorization: Bearer $DRAMA3_API_KEY" in words
     assert words[-2:] == ["-o", "take.wav"]
+
+
+def test_the_copied_code_carries_the_ras_and_codebook_settings():
+    fields = {"model": "drama3-tiny", "input": "Hi.", "voice": "default", "response_format": "wav", "seed": 3,
+              "temperature": 0.7, "ras_top_k": 5, "codebook_top_p": 0.5}
+    python = synthesize_code("ckpt", fields, None, 300)
+    assert "temperature=0.7, ras_top_k=5, codebook_top_p=0.5, chunk_bytes=300" in python, python
+    assert "'ras_top_k': 5, 'codebook_top_p': 0.5" in openai_code("http://h", fields, with_key=False)

@@ -53,6 +53,9 @@ OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
                  "marin", "cedar")
 DISCONNECT_POLL_SECONDS = 0.5  # how often a request waiting for audio checks that its client is still there
 PROTECTED_PREFIXES = ("/v1/", "/metrics")
+# Sampling settings a request may set besides temperature, top_p and top_k: passed on as `generate` names them.
+MORE_SAMPLING = ("ras_window", "ras_temperature", "ras_top_k", "ras_top_p", "codebook_temperature", "codebook_top_k",
+                 "codebook_top_p")
 
 
 class StreamAborted(Exception):
@@ -378,7 +381,8 @@ def voice_name(name: str, aliases: dict[str, str], voices: VoiceLibrary) -> str:
 def sampling_settings(body: SpeechRequest, service: SpeechService, settings: ServerSettings) -> tuple[dict, int]:
     """The request's sampling settings and its frame limit, checked by `generation_settings`
     as `generate` would check them; `temperature` 0 means greedy decoding."""
-    requested = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "max_new_tokens")}
+    requested = {name: getattr(body, name) for name in ("temperature", "top_p", "top_k", "max_new_tokens",
+                                                           *MORE_SAMPLING)}
     requested = {name: value for name, value in requested.items() if value is not None}
     if requested.get("temperature") == 0:
         requested.pop("temperature")
@@ -394,7 +398,8 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
         raise APIError(400, message, param, "invalid_value") from error
     if checked_settings.do_sample:
         sampling = {"do_sample": True, "temperature": checked_settings.temperature, "top_p": checked_settings.top_p,
-                    "top_k": checked_settings.top_k or None}  # 0 and None both mean no limit
+                    "top_k": checked_settings.top_k or None,  # 0 and None both mean no limit
+                    **{name: getattr(checked_settings, name) for name in MORE_SAMPLING if name in requested}}
     else:
         sampling = {"do_sample": False}
     max_new_tokens = requested.get("max_new_tokens", min(checked_settings.max_new_tokens, settings.max_frames))
@@ -550,5 +555,5 @@ class RequestGuard:
         return None
 
 
-__all__ = ["RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
+__all__ = ["MORE_SAMPLING", "RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
            "start_draining"]

@@ -3,7 +3,10 @@
 `SpeechRequest` is OpenAI's `POST /v1/audio/speech` body (`model`, `input`, `voice`, `response_format`, `speed`,
 `stream_format`, `instructions`) plus the fields of the official Drama 3 server's request (sglang-omni's): `stream`,
 `speaker` (another name for `voice`), `references` (each `audio` or `data`, and `text` or `transcript`), `ref_audio`
-with `ref_text`, `language`, `seed`, `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_new_tokens`.
+with `ref_text`, `language`, `seed`, `temperature`, `top_p`, `top_k`, `repetition_penalty` and `max_new_tokens`; and
+Drama 3's other sampling settings, named as `generate` names them: `ras_window`, `ras_temperature`, `ras_top_k`,
+`ras_top_p` (repetition-aware sampling of the main token) and `codebook_temperature`, `codebook_top_k`,
+`codebook_top_p` (the codes after the first).
 Types (and the seed's range) are checked here, strictly: a number is never read from a string (`"7"`) or a bool
 (`true`), nor a bool from a string (`"yes"`); the other ranges and the rules between fields are checked by the
 server with the package's own validation (`generation_settings`, the processor's text checks), so they read the same
@@ -62,6 +65,14 @@ class SpeechRequest(BaseModel):
                                              description="only 1.0 (none): Drama 3 samples without penalties")
     max_new_tokens: int | None = Field(None, strict=True,
                                        description="most frames per text chunk (21.5 frames = 1 s)")
+    ras_window: int | None = Field(None, strict=True, description="frames the repetition-aware sampling looks back "
+                                   "over (0: off)")
+    ras_temperature: float | None = Field(None, strict=True, description="temperature of the repetition-aware resample")
+    ras_top_k: int | None = Field(None, strict=True, description="top-k of the repetition-aware resample (0: no limit)")
+    ras_top_p: float | None = Field(None, strict=True, description="top-p of the repetition-aware resample")
+    codebook_temperature: float | None = Field(None, strict=True, description="temperature of the codes after the first")
+    codebook_top_k: int | None = Field(None, strict=True, description="top-k of the codes after the first")
+    codebook_top_p: float | None = Field(None, strict=True, description="top-p of the codes after the first")
 
     @property
     def voice_name(self) -> str:

@@ -7,8 +7,8 @@ HTTP call to itself); `mount_page(app)` mounts it and links it from `/`. example
 a Hugging Face Space. Imported only with `--ui`: a server without it never loads Gradio.
 
 Offline: Gradio 6 serves its scripts and its theme's fonts itself, and its analytics are off here, so the page loads
-nothing from outside the server (the browser tests check it). Streamed playback needs `ffmpeg` on the server's PATH
-(Gradio encodes streamed audio to AAC with it); without it the page plays each take when it is complete.
+nothing from outside the server (the browser tests check it). A take plays while it is made through the page's own
+player (ui_player.py: the server's pcm played with the Web Audio API), not Gradio's streamed audio.
 """
 
 from __future__ import annotations
@@ -16,17 +16,19 @@ from __future__ import annotations
 import logging
 import os
 import secrets
-import shutil
 
 import gradio as gr
 import pydantic
-from fastapi.responses import HTMLResponse
+from fastapi import Body, Request
+from fastapi.responses import HTMLResponse, StreamingResponse
 from gradio.routes import App
 
-from ..audio_io import AudioEncoder
 from .draining import DrainingServer
+from ..audio_io import AudioEncoder
+from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
+from .ui_player import STOP_JS, TOKEN, PageTake, player_js
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -34,21 +36,27 @@ logger = logging.getLogger("transformers_drama3.serving")
 PATH = "/ui"
 SPEAKERS = [str(n) for n in range(16)]
 STATUS_SECONDS = 2.0  # how often the status line is read
-SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens")  # the page's settings sent with a request
-RAS = ("ras_window", "ras_temperature", "ras_top_k", "ras_top_p")  # shown, fixed by the model
+# The page's settings, each a field of the speech request, in the order of its inputs (PLAYER_JS reads them so).
+SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "ras_window", "ras_temperature", "ras_top_k",
+            "ras_top_p", "codebook_temperature", "codebook_top_k", "codebook_top_p")
 PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers (2**53), short to copy
 EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
 
 
-def user_error(error: Exception) -> gr.Error:
-    """A failure as the page shows it: the server's own message (an HTTP client reads the same), never a traceback."""
+def api_error(error: Exception) -> APIError:
+    """A failure of the page as the server's `APIError` (its message is what an HTTP client reads)."""
     if isinstance(error, APIError):
-        return gr.Error(error.message, print_exception=False)
+        return error
     if isinstance(error, pydantic.ValidationError):
         first = error.errors()[0]
-        return gr.Error(f"{'.'.join(map(str, first['loc']))}: {first['msg']}", print_exception=False)
+        return APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}", code="invalid_value")
     logger.exception("the page failed")
-    return gr.Error("something went wrong on the server; its log has the details", print_exception=False)
+    return APIError(500, "something went wrong on the server; its log has the details", code="server_error")
+
+
+def user_error(error: Exception) -> gr.Error:
+    """A failure as the page shows it: the server's own message, never a traceback."""
+    return gr.Error(api_error(error).message, print_exception=False)
 
 
 def base_url(request: gr.Request) -> str:
@@ -57,21 +65,18 @@ def base_url(request: gr.Request) -> str:
     return f"{scheme}://{request.headers['host']}"
 
 
-def wav_chunk(samples, rate: int) -> bytes:
-    """One streamed chunk as a complete 16-bit WAV: the form Gradio's streamed audio reads without ffmpeg's help."""
-    encoder = AudioEncoder("wav", rate, streamed=False)
-    return encoder.encode(samples) + encoder.finish()
-
-
 def build_page(app, playground: Playground | None = None) -> gr.Blocks:
     """The playground's Blocks, on the server `app` (made by `create_app`)."""
     playground = playground or Playground(app)
     settings = app.state.settings
-    streaming = shutil.which("ffmpeg") is not None
     defaults = playground.defaults()
 
     with gr.Blocks(title="Drama 3 playground", analytics_enabled=False) as page:
         history = gr.State([])  # the page's takes, newest last
+        # What was typed and set, kept in the browser (localStorage) as it changes, so that a reload (the page reloads
+        # itself when its server restarts) brings it back. The key only needs to be the same after a restart: the
+        # text is the user's own, in their own browser.
+        typed = gr.BrowserState(None, storage_key="drama3-playground", secret=playground.page_key or "drama3")
         gr.Markdown("## Drama 3 playground\nSpeak text, clone a voice, and copy the request as code. "
                     "[API docs](../docs) · [metrics](../metrics)")
         status = gr.Markdown("Reading the server's status…", elem_id="status")
@@ -87,8 +92,10 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                 with gr.Row():
                     speak = gr.Button("Speak", variant="primary", elem_id="speak")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                player = gr.Audio(label="Speech", streaming=streaming, autoplay=True, interactive=False,
-                                  elem_id="player")
+                gr.HTML('<div id="live-line"></div>', elem_id="live")  # the live player's line (ui_player.py)
+                page_key = gr.Textbox(visible=False)  # the live route's key, filled when the page loads
+                live_token = gr.Textbox(visible=False)  # the take's token, drawn by PLAYER_JS
+                player = gr.Audio(label="Speech (the take, once complete)", interactive=False, elem_id="player")
                 take_info = gr.Markdown(elem_id="take-info")
             with gr.Column(scale=2):
                 with gr.Accordion("Voice", open=True):
@@ -121,7 +128,22 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     max_frames = gr.Number(defaults["max_new_tokens"], precision=0, minimum=1,
                                            maximum=settings.max_frames,
                                            label="max frames per text chunk (21.5 frames = 1 s)", elem_id="max_frames")
-                    ras = gr.Markdown(elem_id="ras")
+                    with gr.Accordion("Repetition-aware sampling and codebooks", open=False,
+                                      elem_id="more-accordion"):
+                        ras_window = gr.Number(defaults["ras_window"], precision=0, minimum=0,
+                                               label="ras_window: frames looked back over (0: off)", elem_id="ras_window")
+                        ras_temperature = gr.Slider(0.05, 2, defaults["ras_temperature"], step=0.05,
+                                                    label="ras_temperature", elem_id="ras_temperature")
+                        ras_top_k = gr.Number(defaults["ras_top_k"], precision=0, minimum=0,
+                                              label="ras_top_k (0: no limit)", elem_id="ras_top_k")
+                        ras_top_p = gr.Slider(0.01, 1, defaults["ras_top_p"], step=0.01, label="ras_top_p",
+                                              elem_id="ras_top_p")
+                        codebook_temperature = gr.Slider(0.05, 2, defaults["codebook_temperature"], step=0.05,
+                                                         label="codebook_temperature", elem_id="codebook_temperature")
+                        codebook_top_k = gr.Number(defaults["codebook_top_k"], precision=0, minimum=0,
+                                                   label="codebook_top_k (0: no limit)", elem_id="codebook_top_k")
+                        codebook_top_p = gr.Slider(0.01, 1, defaults["codebook_top_p"], step=0.01,
+                                                   label="codebook_top_p", elem_id="codebook_top_p")
                     reset = gr.Button("Reset to the model's defaults", size="sm", elem_id="reset")
         with gr.Accordion("History of takes", open=True):
             takes = gr.Dropdown([], label="Take", elem_id="takes")
@@ -139,7 +161,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             with gr.Tab("Python (synthesize)"):
                 python = gr.Code(language="python", elem_id="code-python", interactive=False)
         timer = gr.Timer(STATUS_SECONDS)
-        setting_inputs = [temperature, top_p, top_k, seed, max_frames]
+        setting_inputs = [temperature, top_p, top_k, seed, max_frames, ras_window, ras_temperature, ras_top_k,
+                          ras_top_p, codebook_temperature, codebook_top_k, codebook_top_p]  # SETTINGS' order
 
         def read_status() -> str:
             state = playground.status()
@@ -151,9 +174,16 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                     f"{state['occupancy']}")
 
         def show_defaults():
-            values = playground.defaults()
-            ras_line = "RAS (fixed by the model): " + ", ".join(f"{name} {values[name]}" for name in RAS)
-            return (values["temperature"], values["top_p"], values["top_k"], None, values["max_new_tokens"], ras_line)
+            values = {**playground.defaults(), "seed": None}
+            return tuple(values[name] for name in SETTINGS)
+
+        def restore(saved):
+            """The page's text, voice and settings as this browser left them (else the example and the defaults)."""
+            values = [EXAMPLE, "default", *show_defaults()]
+            if isinstance(saved, list) and len(saved) == len(values):
+                values = saved
+            values[1] = voice_choices(values[1])  # the voices saved now (a saved voice may be gone)
+            return values
 
         def show_preview(value: str) -> str:
             try:
@@ -209,42 +239,45 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             take = next((t for t in takes_so_far if t.label == chosen), None)
             if take is None:
                 raise gr.Error("pick a take first", print_exception=False)
-            fields, values = take.fields, playground.defaults()
-            return (take.fields["input"], take.fields["voice"], fields.get("temperature", values["temperature"]),
-                    fields.get("top_p", values["top_p"]), fields.get("top_k", values["top_k"]), fields["seed"],
-                    fields.get("max_new_tokens", values["max_new_tokens"]))
+            values = {**playground.defaults(), **take.fields}  # a setting left out of the request had its default
+            return (take.fields["input"], take.fields["voice"], *(values[name] for name in SETTINGS))
 
-        async def speak_take(words, voice_name, temp, p, k, seed_value, frames, takes_so_far):
-            values = {"temperature": temp, "top_p": p, "top_k": None if k is None else int(k),
-                      "seed": secrets.randbits(PAGE_SEED_BITS) if seed_value is None else int(seed_value),
-                      "max_new_tokens": None if frames is None else int(frames)}
-            fields = playground.request_fields(words, voice_name, values)
-            speaking = Speaking()
+        async def speak_take(*inputs):
+            """Wait for the take the click's PLAYER_JS is speaking through the live route, then keep it."""
+            token, takes_so_far = inputs[-2], inputs[-1]
+            if not TOKEN.fullmatch(token or ""):
+                raise gr.Error("the page's player did not start (is JavaScript off?): reload the page",
+                               print_exception=False)
+            live = playground.live.take(token)
             try:
-                rate = playground.service().model.config.sampling_rate
-                async for chunk in playground.speak(fields, speaking):
-                    if streaming:
-                        yield {player: wav_chunk(chunk, rate), take_info: "Speaking… first audio after "
-                               f"{speaking.first_audio_s * 1000:.0f} ms"}
+                await live.started.wait()
+                if live.speaking is not None and not live.ended.done():
+                    yield {take_info: f"Speaking… first audio after {live.speaking.first_audio_s * 1000:.0f} ms"}
+                fields, speaking = await live.ended
                 take = await playground.keep(takes_so_far[-1].number + 1 if takes_so_far else 1, fields, speaking)
+            except APIError as error:
+                if error.code != "cancelled":
+                    raise user_error(error) from None
+                yield {take_info: stopped()}  # Stop before the first audio: the page's event came after it
+                return
             except Exception as error:  # noqa: BLE001  (shown on the page; Stop's cancellation is no Exception)
                 raise user_error(error) from None
+            finally:
+                playground.live.forget(token)
             kept = [*takes_so_far, take]
             for old in kept[:-MAX_TAKES]:
                 playground.forget(old)
             kept = kept[-MAX_TAKES:]
-            finished = {take_info: take.summary(), history: kept,
-                        takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
-            if not streaming:
-                finished[player] = str(take.files["wav"])
-            yield finished
+            yield {take_info: take.summary(), history: kept, player: str(take.files["wav"]),
+                   takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
 
         def stopped() -> str:
             return "Stopped: the server cancelled the request."
 
-        page.load(show_defaults, outputs=[*setting_inputs, ras]).then(show_preview, text, preview)
+        page.load(restore, typed, [text, voice, *setting_inputs]).then(show_preview, text, preview)
         timer.tick(read_status, outputs=status)
         page.load(read_status, outputs=status)
+        page.load(lambda: playground.page_key, outputs=page_key)
         text.change(show_preview, text, preview, show_progress="hidden")
         add_line.click(append_line, [text, speaker, line], [text, line])
         refresh.click(voice_choices, voice, voice)
@@ -253,11 +286,13 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         delete.click(ask_delete, voice, [confirm_row, confirm_text])
         keep.click(lambda: gr.update(visible=False), outputs=confirm_row)
         confirm.click(delete_voice, voice, [voice, confirm_row, voice_info])
-        reset.click(show_defaults, outputs=[*setting_inputs, ras])
-        speaking = speak.click(speak_take, [text, voice, *setting_inputs, history],
-                               [player, take_info, history, takes], concurrency_limit=None,
+        reset.click(show_defaults, outputs=setting_inputs)
+        gr.on([box.change for box in [text, voice, *setting_inputs]], None, [text, voice, *setting_inputs], typed,
+              js="(...values) => [values]")  # in the browser only: no call to the server
+        speaking = speak.click(speak_take, [text, voice, *setting_inputs, page_key, live_token, history],
+                               [player, take_info, history, takes], concurrency_limit=None, js=player_js(SETTINGS),
                                show_progress="hidden")  # the page's own line says how far it got
-        stop.click(stopped, outputs=take_info, cancels=[speaking])
+        stop.click(stopped, outputs=take_info, cancels=[speaking], js=STOP_JS)
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python])
         reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs])
     return page
@@ -278,6 +313,49 @@ def mount_page(app, path: str = PATH):
     async def home() -> HTMLResponse:
         return HTMLResponse(f'<!doctype html><meta http-equiv="refresh" content="0; url={path}/">'
                             f'<title>Drama 3</title><a href="{path}/">Drama 3 playground</a>')
+
+    @app.post(f"{path}/live/{{token}}", include_in_schema=False)
+    async def live_take(token: str, request: Request, inputs: dict = Body(...)) -> StreamingResponse:
+        """Speak the page's take `token` (ui_player.py): its pcm as it is decoded, or the server's error."""
+        if not TOKEN.fullmatch(token):
+            raise APIError(404, "no such take: the page draws its takes' tokens itself", code="not_found")
+        given = request.headers.get("x-page-key", "")
+        if playground.page_key and not secrets.compare_digest(given.encode(), playground.page_key.encode()):
+            raise APIError(401, "this page has no valid key: reload it and log in", code="invalid_api_key")
+        live, speaking = playground.live.take(token), Speaking()
+        try:
+            body = PageTake.model_validate(inputs)
+            values = {name: getattr(body, name) for name in SETTINGS}
+            if values["seed"] is None:
+                values["seed"] = secrets.randbits(PAGE_SEED_BITS)
+            fields = playground.request_fields(body.text, body.voice, values)
+            rate = ready_service(app).model.config.sampling_rate
+            chunks = playground.speak(fields, speaking)
+            first = await anext(chunks, None)  # None: a take that ended without audio
+        except Exception as error:  # noqa: BLE001  (the page's event shows it; the browser gets it as JSON)
+            live.end(error=api_error(error))
+            raise live.ended.exception() from None
+        if first is not None:
+            live.first_audio(speaking)
+
+        async def pcm():
+            encoder = AudioEncoder("pcm", rate, streamed=True)  # the HTTP API's pcm
+            try:
+                if first is not None:
+                    yield encoder.encode(first)
+                async for chunk in chunks:
+                    yield encoder.encode(chunk)
+                yield encoder.finish()
+                live.end((fields, speaking))
+            except Exception as error:  # noqa: BLE001  (after the first audio: the stream breaks off)
+                live.end(error=api_error(error))
+                raise
+            finally:
+                live.end(error=APIError(499, "the page stopped listening", code="cancelled"))
+                await chunks.aclose()
+
+        return StreamingResponse(pcm(), media_type="audio/pcm",
+                                 headers={"X-Sampling-Rate": str(rate), "Cache-Control": "no-store"})
 
     app.state.page = build_page(app, playground)
     return gr.mount_gradio_app(app, app.state.page, path=path,

@@ -11,6 +11,7 @@ import json
 import shlex
 
 from ..voice import VOICE_FILE_SUFFIX
+from .app import MORE_SAMPLING
 
 KEY_VARIABLE = "DRAMA3_API_KEY"
 OPENAI_FIELDS = ("model", "voice", "input", "response_format")  # the SDK's own arguments; the rest go in extra_body
@@ -45,7 +46,8 @@ def openai_code(base_url: str, fields: dict, with_key: bool) -> str:
 def synthesize_code(model: str, fields: dict, voices_dir: str | None, chunk_bytes: int) -> str:
     """The same speech in Python with `synthesize`: the checkpoint, the voice file, the seed, the settings and the
     server's chunk size."""
-    settings = {name: fields[name] for name in ("temperature", "top_p", "top_k", "max_new_tokens") if name in fields}
+    settings = {name: fields[name] for name in ("temperature", "top_p", "top_k", "max_new_tokens", *MORE_SAMPLING)
+                if name in fields}
     if settings.get("temperature") == 0:  # the HTTP API's greedy is Python's do_sample=False
         settings = {"do_sample": False, **{k: v for k, v in settings.items() if k == "max_new_tokens"}}
     voice = fields["voice"]

@@ -11,6 +11,8 @@ HTTP responses, so a take's wav is byte for byte what the same request over HTTP
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import shutil
 import tempfile
 import time
@@ -21,10 +23,11 @@ import torch
 
 from ..audio_io import AudioEncoder
 from ..generation_drama3 import DRAMA3_GENERATION_DEFAULTS
-from .app import checked, enrol_recording, make_job, ready_service
+from .app import MORE_SAMPLING, checked, enrol_recording, make_job, ready_service
 from .audio_encoding import available_formats
 from .errors import APIError
 from .schemas import SpeechRequest
+from .ui_player import LiveTakes
 from .worker import JobDone
 
 TAKE_FORMATS = ("wav", "mp3", "flac")  # downloads offered for each take (those this libsndfile can write)
@@ -71,6 +74,11 @@ class Playground:
         self.settings, self.voices, self.metrics = app.state.settings, app.state.voices, app.state.metrics
         self.takes_dir = Path(takes_dir or tempfile.mkdtemp(prefix="drama3-takes-"))
         self.takes_dir.mkdir(parents=True, exist_ok=True)
+        self.live = LiveTakes()  # the takes the page's live player is speaking (ui_player.py)
+        # The live route's key with --api-key: only a page past the login gets it. Derived from the API key, so a page
+        # left open while the server restarts still holds a valid one.
+        key = self.settings.api_key
+        self.page_key = "" if key is None else hmac.new(key.encode(), b"drama3 page", hashlib.sha256).hexdigest()
 
     def service(self):
         return ready_service(self.app)
@@ -117,10 +125,13 @@ class Playground:
 
     def request_fields(self, text: str, voice: str, settings: dict) -> dict:
         """The request body of a take: the served model, the text, the voice and the page's settings (None: left out
-        so that the server's default applies)."""
+        so that the server's default applies; so are the RAS and codebook settings at the model's values, which keeps
+        the copied code short)."""
         fields = {"model": self.settings.model_name, "input": text, "voice": voice or "default",
                   "response_format": "wav"}
-        fields.update({name: value for name, value in settings.items() if value is not None})
+        defaults = self.defaults()
+        fields.update({name: value for name, value in settings.items()
+                       if value is not None and not (name in MORE_SAMPLING and value == defaults[name])})
         return fields
 
     async def speak(self, fields: dict, speaking: Speaking):

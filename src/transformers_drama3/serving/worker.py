@@ -58,7 +58,7 @@ class SpeechJob:
     request_id: str
     texts: list[str]  # text chunks, each starting with its speaker tag
     references: list  # Drama3Voice or {"transcript", "audio" float32 [L], "sampling_rate"}
-    sampling: dict  # this request's settings: do_sample, temperature, top_p, top_k
+    sampling: dict  # this request's settings: do_sample, temperature, top_p, top_k, ras_*, codebook_*
     max_new_tokens: int  # frames per text chunk
     seed: int
     text_length: int  # characters of the request's input, for the log

@@ -176,7 +176,10 @@ def serve(args, listening: socket.socket) -> int:
     except (OSError, ValueError) as error:
         print(f"drama3-serve: error: {error}", file=sys.stderr)
         return 1
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level)
+    # With the page, a browser may hold a stream open through the shutdown: after 20 s (twice the page's queue poll)
+    # uvicorn cancels what is left instead of waiting for the browser.
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=20 if args.ui else None)
     server_class = DrainingServer
     if args.ui:
         from .ui import PageServer as server_class

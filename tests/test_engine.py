@@ -126,7 +126,14 @@ def test_states_are_built_only_when_the_capacity_changes(model, prompts):
             shapes.append((runner.state.batch, runner.state.capacity))
     changes = sum(1 for before, after in zip(shapes, shapes[1:]) if before != after)
     assert runner.builds == 1 + changes and runner.builds <= 5, shapes
-    assert runner.state is not None  # kept for the next request
+    assert runner.state is None  # emptied with more than one slot: dropped (a request alone gets one slot)
+    engine.add_request(prompts[0], do_sample=False, max_new_tokens=4)
+    engine.run_until_idle()
+    kept, builds = runner.state, runner.builds
+    assert kept.batch == 1  # a state of one slot is kept for the next request
+    engine.add_request(prompts[1], do_sample=False, max_new_tokens=4)
+    engine.run_until_idle()
+    assert runner.state is kept and runner.builds == builds
     engine.stop()
     assert runner.state is None  # stop frees it
 

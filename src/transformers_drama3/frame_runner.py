@@ -247,8 +247,8 @@ class FrameRunner:
 
     def release(self, keys) -> None:
         """Free the slots of the sequences `keys` (ended or cancelled); move the rest to a smaller state when a
-        quarter or fewer of the slots remain in use (half without later admissions). An empty state is kept for the
-        next admission (`close` drops it)."""
+        quarter or fewer of the slots remain in use (half without later admissions). A state emptied of its last
+        sequence is kept for the next admission when it has one slot, else dropped (`close`)."""
         index = self._slots_of(keys) if self.state is not None else None
         if index is None:
             return
@@ -258,7 +258,9 @@ class FrameRunner:
             self.keys[slot], self.generators[slot] = None, None
         self.layout += 1
         running = len(self.running)
-        if running and running <= self.state.batch // self.shrink_factor:
+        if not running and self.state.batch > 1:
+            self.close()  # the next request alone must not pay for empty slots (a state of one slot is kept)
+        elif running and running <= self.state.batch // self.shrink_factor:
             self._move()
 
     def close(self) -> None:

@@ -342,7 +342,12 @@ class FrameState:
         made = ~self.ended & (column != 0).to(self.ended.device)  # [b] a frame (not EOS, not ended before)
         self.made.copy_(made)
         self.count.add_(made.long())
-        self.ended.logical_or_(stopping(new_rows, logits, frames_made=self.count, frame_limit=self.frame_limit))
+        # Each criterion ORed in as StoppingCriteriaList does, without its all-False start (one kernel fewer).
+        stop = None
+        for criterion in stopping:
+            says = criterion(new_rows, logits, frames_made=self.count, frame_limit=self.frame_limit)  # [b] bool
+            stop = says if stop is None else stop | says
+        self.ended.logical_or_(stop.to(self.ended.device))
 
         # Feed the new rows back: one backbone step at the next cache position.
         self.valid.index_fill_(1, self.write_at, True)

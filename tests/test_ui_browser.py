@@ -150,8 +150,10 @@ class Page:
             "value")
 
     def fill(self, elem_id: str, value) -> None:
-        box = self.driver.find_element(By.CSS_SELECTOR, f"#{elem_id} textarea, #{elem_id} input[type=number], "
-                                                        f"#{elem_id} input")
+        selector = f"#{elem_id} textarea, #{elem_id} input[type=number], #{elem_id} input"
+        # A field inside an accordion just opened is rendered a moment later: wait for it to show.
+        box = self.wait(lambda: next((e for e in self.driver.find_elements(By.CSS_SELECTOR, selector)
+                                      if e.is_displayed()), None), f"the field {elem_id}")
         box.send_keys(Keys.CONTROL, "a")
         box.send_keys(Keys.DELETE)
         box.send_keys(str(value))

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import io
 import json
 import subprocess
 import sys
@@ -65,13 +64,15 @@ def skip(name: str, reason: str) -> None:
 
 
 def tone(seconds: float = 1.0) -> np.ndarray:
-    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * RATE)) / RATE)).astype(np.float32)
+    from transformers_drama3.testing import sine_recording
+
+    return sine_recording(seconds, RATE)
 
 
 def wav_bytes(seconds: float = 1.0) -> bytes:
-    buffer = io.BytesIO()
-    soundfile.write(buffer, tone(seconds), RATE, format="WAV")
-    return buffer.getvalue()
+    from transformers_drama3.testing import sine_wav
+
+    return sine_wav(seconds, RATE)
 
 
 # -- the items on a loaded checkpoint ------------------------------------------------------------------------------

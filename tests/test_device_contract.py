@@ -9,7 +9,6 @@ the device) is in the GPU acceptance run, benchmarks/gpu_paths.py.
 from __future__ import annotations
 
 import base64
-import io
 import json
 import threading
 
@@ -21,6 +20,7 @@ import torch
 from websockets.sync.client import connect
 
 from transformers_drama3 import FishOmniForSpeech, cli
+from transformers_drama3.testing import sine_recording, sine_wav
 from transformers_drama3.engine import Drama3Engine
 from transformers_drama3.jobs import run_manifest
 from transformers_drama3.processing_drama3 import Drama3Processor
@@ -43,13 +43,11 @@ RATE = 16000  # the reference recordings' rate: the codec resamples them to 44.1
 
 def tone(seconds: float = 0.5) -> np.ndarray:
     """A float32 sine at RATE, as a user's recording arrives (numpy, on the CPU)."""
-    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * RATE)) / RATE)).astype(np.float32)
+    return sine_recording(seconds, RATE)
 
 
 def wav_bytes(seconds: float = 0.5) -> bytes:
-    buffer = io.BytesIO()
-    soundfile.write(buffer, tone(seconds), RATE, format="WAV")
-    return buffer.getvalue()
+    return sine_wav(seconds, RATE)
 
 
 def on_cpu(tensor: torch.Tensor) -> bool:

@@ -23,6 +23,7 @@ import soxr
 import torch
 
 from transformers_drama3 import loading
+from transformers_drama3.testing import sine_wav
 from transformers_drama3.audio_io import OGG_SERIAL, set_ogg_serial
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
@@ -104,13 +105,6 @@ def wav_samples(data: bytes) -> np.ndarray:
 def assert_close_pcm(actual: np.ndarray, expected: np.ndarray) -> None:
     assert actual.shape == expected.shape
     assert np.abs(actual.astype(np.int32) - expected.astype(np.int32)).max(initial=0) <= STREAMED_VS_ONE_SHOT_LSB
-
-
-def sine_wav(seconds: float, rate: int = 16000) -> bytes:
-    buffer = io.BytesIO()
-    time_axis = np.arange(int(seconds * rate)) / rate
-    soundfile.write(buffer, (0.3 * np.sin(2 * np.pi * 220 * time_axis)).astype(np.float32), rate, format="WAV")
-    return buffer.getvalue()
 
 
 # -- the openai client, streaming formats -----------------------------------------------------------------------

@@ -22,6 +22,8 @@ import httpx
 import numpy as np
 import pytest
 
+from transformers_drama3.testing import sine_recording
+
 from .conftest import default_sigint, wait_until_healthy
 
 CHROMIUM, CHROMEDRIVER = shutil.which("chromium") or shutil.which("chromium-browser"), shutil.which("chromedriver")
@@ -105,8 +107,7 @@ def microphone(tmp_path_factory) -> Path:
     import soundfile
 
     path, rate = tmp_path_factory.mktemp("microphone") / "tone.wav", 48000
-    time_axis = np.arange(MICROPHONE_SECONDS * rate) / rate
-    soundfile.write(path, (0.3 * np.sin(2 * np.pi * 220 * time_axis)).astype(np.float32), rate, subtype="PCM_16")
+    soundfile.write(path, sine_recording(MICROPHONE_SECONDS, rate), rate, subtype="PCM_16")
     return path
 
 
@@ -256,8 +257,7 @@ def test_enrol_a_voice_from_a_wav_file_and_speak_with_it(browser, server, tmp_pa
 
     recording = tmp_path / "me.wav"
     rate = 44100
-    time_axis = np.arange(2 * rate) / rate
-    soundfile.write(recording, (0.3 * np.sin(2 * np.pi * 220 * time_axis)).astype(np.float32), rate)
+    soundfile.write(recording, sine_recording(2, rate), rate)
     browser.open()
     browser.driver.find_element(By.CSS_SELECTOR, "#enrol-accordion button").click()  # it opens closed
     browser.fill("new-name", "tester")

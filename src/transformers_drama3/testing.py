@@ -5,6 +5,8 @@ schema (`fish_omni_text` text config, `bsgemm-moe` quantization), sharded safete
 names and FP8 routed experts (one tensor per expert, float32 `weight_scale_inv` per 128 x 128 block), `codec.pth`
 with weight-norm parametrisation keys, and a byte-level BPE tokenizer with every special token. The loader accepts
 it exactly like the real checkpoint.
+
+`sine_recording` / `sine_wav` are the stand-in voice recording of tests and checks: a 220 Hz tone.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import re
 import shutil
 import tempfile
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -325,4 +328,21 @@ def default_tiny_checkpoint(seed: int = 0) -> str:
     return path
 
 
-__all__ = ["TINY_CONFIG", "default_tiny_checkpoint", "quantize_fp8_blockwise", "tiny_config_dict", "write_tiny_checkpoint"]
+def sine_recording(seconds: float, rate: int = 16000) -> np.ndarray:
+    """A stand-in voice recording: float32 `[seconds * rate]` samples of a 220 Hz sine at amplitude 0.3."""
+    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(seconds * rate)) / rate)).astype(np.float32)
+
+
+def sine_wav(seconds: float, rate: int = 16000) -> bytes:
+    """`sine_recording` as the bytes of a WAV file (soundfile's default 16-bit PCM)."""
+    import io
+
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, sine_recording(seconds, rate), rate, format="WAV")
+    return buffer.getvalue()
+
+
+__all__ = ["TINY_CONFIG", "default_tiny_checkpoint", "quantize_fp8_blockwise", "sine_recording", "sine_wav",
+           "tiny_config_dict", "write_tiny_checkpoint"]

@@ -460,12 +460,12 @@ class Drama3Engine:
         if observer is not None:
             observer.after_step(self, runner)
         if not self._pending:
-            self._pending_layout = runner.layout
+            self._pending_layout = runner.layout  # the step changes no slot: the frames pending share one layout
         self._pending.append(runner.outputs())
-        # A sequence makes at most one frame per step: none can pass its frame limit before `due` steps.
-        due = min(self.stop_check_interval,
-                  *(self.requests[key].frame_limit - len(self.requests[key].frames) for key in runner.running))
-        if len(self._pending) >= due or runner.layout != self._pending_layout:
+        due = self.stop_check_interval
+        if due > 1:  # a sequence makes at most one frame per step: none passes its frame limit before `due` steps
+            due = min(due, *(self.requests[key].frame_limit - len(self.requests[key].frames) for key in runner.running))
+        if len(self._pending) >= due:
             self._read()
 
     def _read(self) -> None:

@@ -89,6 +89,9 @@ class GenerateObserver:
         """Device work after a step: the batch view, the scores, the user's criteria (which end sequences with
         finish reason "stop")."""
         state = runner.state
+        if self.sequences is None and state.scores is None:  # no host hook and no scores: nothing to do per frame
+            self.steps += 1
+            return
         slots, indexes, keys = self._index(runner)
         made = state.made[slots]  # [n]
         if self.sequences is not None:

@@ -5,8 +5,9 @@
 (cuda_graphs.py). The state has a fixed number of slots, one per sequence it can hold: a sequence is admitted from its
 prefill into a free slot between two frames, and its slot is marked free when it ends. A state is built only when
 its capacity changes: twice the slots when they are all taken (a power of two: a CUDA graph per size), fewer when a
-quarter or less are in use (half, for a `generate` batch that nobody joins), and a longer cache when the sequences reach its end. The first state of an eager runner
-has exactly the slots of the batch admitted first (a `generate` call's batch never needs another).
+quarter or less are in use (half, for a `generate` batch that nobody joins), and a longer cache when the sequences
+reach its end. The first state of an eager runner has exactly the slots of the batch admitted first (a `generate`
+call's batch never needs another).
 
 Names: a *slot* is a sequence's place in the state (its index along the batch dimension); a *cache position* is a
 place along the cache's time axis; a sequence's *prompt length* is its number of prompt rows; *frames* are what it
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from types import SimpleNamespace
 
 import torch
 from transformers import StoppingCriteriaList
@@ -29,7 +31,7 @@ from .settings_checks import SEED_RANGE, is_integer
 
 logger = logging.get_logger(__name__)
 
-GREEDY = type("Greedy", (), {"do_sample": False})()  # the settings of a free slot
+GREEDY = SimpleNamespace(do_sample=False)  # the settings of a free slot
 
 
 class KeptStates:
@@ -210,7 +212,7 @@ class FrameRunner:
         state = self.state
         free = [slot for slot, key in enumerate(self.keys) if key is None]
         if state is None or len(free) < count or state.ras_window < ras_window:
-            self._move(extra=count, pointer=max(prompt_length, self.longest_prompt if state is None else 0),
+            self._move(extra=count, pointer=self.longest_prompt if state is None else prompt_length,
                        ras_window=ras_window, template=prefill.cache)
         elif not self.running:  # an empty state starts again, with room for the longest prompt seen
             start = max(prompt_length, self.longest_prompt)

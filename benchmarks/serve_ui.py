@@ -4,8 +4,8 @@
   loaded), and its resident memory (RSS, with its children) then; with and without `--ui`, interleaved, `--repeats`
   rounds, medians. Without `--ui` Gradio is never imported, so both figures must match the server's before the page.
 - **first audio**: one request `--takes` times (the same text, seed and frames), through the page in a headless
-  Chromium (measured by the page's live player: `performance.now()` from the click to the first chunk scheduled
-  with the Web Audio API) and over HTTP as benchmarks/serve_load.py sends it (streamed pcm: sent until the first
+  Chromium (measured by the page's live player: from the click event's time to the first chunk scheduled with
+  the Web Audio API) and over HTTP as benchmarks/serve_load.py sends it (streamed pcm: sent until the first
   audio byte), alternated on one server; the server's own figure for the page's request beside them.
 
     python benchmarks/serve_ui.py --repeats 5 --takes 7
@@ -140,6 +140,7 @@ def first_audio(takes: int) -> dict:
         page.fill("text", TEXT)
         page.fill("max_frames", FRAMES)
         page.fill("seed", SEED)
+        http_first_audio(client)  # the server's first request (warm-up), measured by neither
         for take in range(1, takes + 1):
             time.sleep(SETTLE_S)
             http.append(http_first_audio(client))
@@ -159,7 +160,7 @@ def first_audio(takes: int) -> dict:
     return {"browser_s": statistics.median(browser), "server_side_s": statistics.median(server_side),
             "http_first_audio_s": statistics.median(http), "browser_fetch_s": statistics.median(fetched),
             "takes": takes,
-            "pairs": list(zip(browser, http))}
+            "takes_ms": [(round(b * 1000), round(s * 1000), round(h * 1000)) for b, s, h in zip(browser, server_side, http)]}
 
 
 def main() -> None:
@@ -175,7 +176,8 @@ def main() -> None:
     if not args.takes:
         return
     row = first_audio(args.takes)
-    print("each take, browser / HTTP (ms): " + ", ".join(f"{p * 1000:.0f} / {h * 1000:.0f}" for p, h in row["pairs"]))
+    print("each take, in the browser / the server's figure for it / over HTTP (ms): "
+          + ", ".join(" / ".join(map(str, take)) for take in row["takes_ms"]))
     print(f"first audio (median of {row['takes']}): in the browser (click to first chunk scheduled) "
           f"{row['browser_s'] * 1000:.0f} ms, over HTTP {row['http_first_audio_s'] * 1000:.0f} ms "
           f"({row['browser_s'] / row['http_first_audio_s'] - 1:+.0%}); the server's own figure for the page's request "

@@ -43,7 +43,7 @@ FRAMES = 12  # frames per take: enough to hear, short to make
 LONG_TEXT, LONG_SEED = "Keep talking for a while please.", 3  # a take of 142 frames (about 10 s to make): stoppable
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1400,2400", "--autoplay-policy=no-user-gesture-required",
+                  "--window-size=1400,2400",  # and the browser's own autoplay rules, as a user's browser has them
                   "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"]  # offline: nothing but loopback
 
 
@@ -229,13 +229,15 @@ def test_speak_a_dialogue_line_streams_and_shows_time_to_first_audio(browser, se
     browser.wait(lambda: "<|speaker:1|> Of course I did." in browser.element("text").find_element(
         By.TAG_NAME, "textarea").get_attribute("value"), "the dialogue helper's line")
     browser.fill("max_frames", FRAMES)
+    # The page's audio waits, suspended, for a click (a browser lets a page play only after one).
+    assert browser.driver.execute_script("return window.drama3Audio.state") == "suspended"
     browser.click("speak")
     line = browser.take(1)
     assert re.search(r"first audio after \d+ ms · real-time factor \d", line), line
-    # The live player played the take as it came, all of it, and says when its first audio started.
+    # The live player played the take as it came, all of it, audibly, and says when its first audio started.
     live = browser.wait(lambda: (state := browser.driver.execute_script("return window.drama3Live"))["done"]
                         and state, "the live player to reach the end of the take")
-    assert live["error"] is None and live["chunks"] >= 1, live
+    assert live["error"] is None and live["chunks"] >= 1 and live["audio_state"] == "running", live
     assert re.fullmatch(r"Playing: first audio in this browser \d+ ms after the click", browser.text("live")), (
         browser.text("live"))
     browser.wait(lambda: browser.driver.find_element(By.CSS_SELECTOR, "#player a[download]").get_attribute(

@@ -28,7 +28,7 @@ from ..audio_io import AudioEncoder
 from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
-from .ui_player import STOP_JS, TOKEN, PageTake, player_js
+from .ui_player import PAGE_JS, STOP_JS, TOKEN, PageTake, player_js
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -92,7 +92,9 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                 with gr.Row():
                     speak = gr.Button("Speak", variant="primary", elem_id="speak")
                     stop = gr.Button("Stop", variant="stop", elem_id="stop")
-                gr.HTML('<div id="live-line"></div>', elem_id="live")  # the live player's line (ui_player.py)
+                # The live player's line (ui_player.py); its script makes the player's AudioContext, and keeps the time
+                # of each click on Speak.
+                gr.HTML('<div id="live-line"></div>', elem_id="live", js_on_load=PAGE_JS)
                 page_key = gr.Textbox(visible=False)  # the live route's key, filled when the page loads
                 live_token = gr.Textbox(visible=False)  # the take's token, drawn by PLAYER_JS
                 player = gr.Audio(label="Speech (the take, once complete)", interactive=False, elem_id="player")

@@ -6,7 +6,8 @@
 - **first audio**: one request `--takes` times (the same text, seed and frames), through the page in a headless
   Chromium (measured by the page's live player: from the click event's time to the first chunk scheduled with
   the Web Audio API) and over HTTP as benchmarks/serve_load.py sends it (streamed pcm: sent until the first
-  audio byte), alternated on one server; the server's own figure for the page's request beside them.
+  audio byte), alternated on one server after one request that warms it up; the server's own figure for the page's
+  request beside them.
 
     python benchmarks/serve_ui.py --repeats 5 --takes 7
     git archive main src | tar -x -C /tmp/before && python benchmarks/serve_ui.py --before /tmp/before/src
@@ -160,7 +161,8 @@ def first_audio(takes: int) -> dict:
     return {"browser_s": statistics.median(browser), "server_side_s": statistics.median(server_side),
             "http_first_audio_s": statistics.median(http), "browser_fetch_s": statistics.median(fetched),
             "takes": takes,
-            "takes_ms": [(round(b * 1000), round(s * 1000), round(h * 1000)) for b, s, h in zip(browser, server_side, http)]}
+            "takes_ms": [(round(b * 1000), round(s * 1000), round(h * 1000))
+                         for b, s, h in zip(browser, server_side, http)]}
 
 
 def main() -> None:

@@ -50,7 +50,7 @@ async (...inputs) => {
     async play(url, body, pageKey, clicked, answered) {
       this.stop();
       const controller = this.controller = new AbortController();
-      const context = window.drama3Audio;  // PAGE_JS's
+      const context = window.drama3Audio;  // made by PAGE_JS when the page loaded
       context.resume();  // within the click's user activation: the browser lets it play
       const live = window.drama3Live = {first_audio_ms: null, chunks: 0, samples: 0, done: false, error: null,
                                         audio_state: null};
@@ -127,9 +127,9 @@ STOP_JS = "() => { window.drama3Player?.stop(); }"
 
 # Run once the page has loaded (the live line's `js_on_load`). It makes the page's one AudioContext now: making it
 # took about 50 ms of the first take's time to first audio (Chromium, our 2-CPU machine). It stays suspended, which
-# costs nothing, until a click on Speak resumes it (browsers let a page play after a click). And it keeps the time of each click on Speak, taken
-# by the browser when the click happened: Gradio runs PLAYER_JS some 10 ms after the click, and the time to first audio
-# the page shows runs from the click itself.
+# costs nothing, until a click on Speak resumes it (browsers let a page play after a click). And it keeps the time of
+# each click on Speak, taken by the browser when the click happened: Gradio runs PLAYER_JS some 10 ms after the click,
+# and the time to first audio the page shows runs from the click itself.
 PAGE_JS = """
 if (!window.drama3Audio) {
   window.drama3Audio = new AudioContext();

@@ -28,7 +28,7 @@ from ..audio_io import AudioEncoder
 from .app import ready_service
 from .errors import APIError
 from .ui_code import curl_command, openai_code, synthesize_code
-from .ui_player import PAGE_JS, STOP_JS, TOKEN, PageTake, player_js
+from .ui_player import PAGE_JS, STOP_JS, TOKEN, page_take_model, player_js
 from .ui_takes import MAX_TAKES, Playground, Speaking
 
 logger = logging.getLogger("transformers_drama3.serving")
@@ -39,6 +39,7 @@ STATUS_SECONDS = 2.0  # how often the status line is read
 # The page's settings, each a field of the speech request, in the order of its inputs (PLAYER_JS reads them so).
 SETTINGS = ("temperature", "top_p", "top_k", "seed", "max_new_tokens", "ras_window", "ras_temperature", "ras_top_k",
             "ras_top_p", "codebook_temperature", "codebook_top_k", "codebook_top_p")
+PAGE_TAKE = page_take_model(SETTINGS)  # the body of the live route (ui_player.py)
 PAGE_SEED_BITS = 32  # the page's own random seeds: exact in a browser's numbers (2**53), short to copy
 EXAMPLE = "<|speaker:0|> Did you buy the bread? <|speaker:1|> Of course I did."
 
@@ -326,7 +327,7 @@ def mount_page(app, path: str = PATH):
             raise APIError(401, "this page has no valid key: reload it and log in", code="invalid_api_key")
         live, speaking = playground.live.take(token), Speaking()
         try:
-            body = PageTake.model_validate(inputs)
+            body = PAGE_TAKE.model_validate(inputs)
             values = {name: getattr(body, name) for name in SETTINGS}
             if values["seed"] is None:
                 values["seed"] = secrets.randbits(PAGE_SEED_BITS)

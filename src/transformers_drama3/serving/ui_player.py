@@ -23,7 +23,9 @@ import asyncio
 import json
 import re
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, create_model
+
+from .schemas import SpeechRequest
 
 TOKEN = re.compile(r"[0-9a-f]{32}")  # what PLAYER_JS draws: 16 random bytes in hex
 MAX_LIVE = 64  # takes kept for the page's speak functions; the oldest go first
@@ -146,24 +148,13 @@ def player_js(settings: tuple[str, ...]) -> str:
     return PLAYER_JS.replace("SETTINGS_NAMES", json.dumps(list(settings)))
 
 
-class PageTake(BaseModel):
-    """The body of `POST /ui/live/TOKEN`: the page's inputs as the browser holds them (None: left empty)."""
-
-    model_config = ConfigDict(extra="forbid")
-    text: str
-    voice: str | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    seed: int | None = None
-    max_new_tokens: int | None = None
-    ras_window: int | None = None
-    ras_temperature: float | None = None
-    ras_top_k: int | None = None
-    ras_top_p: float | None = None
-    codebook_temperature: float | None = None
-    codebook_top_k: int | None = None
-    codebook_top_p: float | None = None
+def page_take_model(settings: tuple[str, ...]) -> type[BaseModel]:
+    """The model of `POST /ui/live/TOKEN`'s body for a page whose settings inputs are `settings`: the page's inputs as
+    the browser holds them (None: left empty), each setting typed as the HTTP API's field of the same name (not
+    strictly: the checks are the HTTP API's own, made on the request the take sends)."""
+    fields = {name: (SpeechRequest.model_fields[name].annotation, None) for name in settings}
+    return create_model("PageTake", __config__=ConfigDict(extra="forbid"), text=(str, ...), voice=(str | None, None),
+                        **fields)
 
 
 class LiveTake:

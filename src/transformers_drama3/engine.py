@@ -77,7 +77,7 @@ class Drama3Engine:
     False, or `run_until_idle()`), never both. Callbacks run in the thread that steps the engine.
 
     `runner` and `observer` are how `generate` runs its batch here: its own `FrameRunner` (its hooks' rule and
-    criteria, its graphs and scores) and a `FrameObserver` (frame_observer.py) for its streamer and host hooks.
+    criteria, its graphs and scores) and a `GenerateObserver` (frame_observer.py) for its streamer and host hooks.
     """
 
     def __init__(self, model, max_batch: int = 8, fast_decode: bool = False, compile_step: bool | str = False,

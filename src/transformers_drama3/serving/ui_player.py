@@ -30,10 +30,13 @@ from .schemas import SpeechRequest
 TOKEN = re.compile(r"[0-9a-f]{32}")  # what PLAYER_JS draws: 16 random bytes in hex
 MAX_LIVE = 64  # takes kept for the page's speak functions; the oldest go first
 
-# Run by Speak's click in the browser before Gradio sends the event (Gradio's `js=`). Its arguments are the click's
-# inputs in ui.py's order: the text, the voice, the settings (named in SETTINGS_NAMES), the page key and the token's
-# hidden box; it returns them with the token in its box once the take's first chunk is scheduled (or the take ended
-# without audio). `drama3Player` is made once per page.
+# Speak's click, in the browser only (a Gradio event with `js=` and no function). Its arguments are the click's inputs
+# in ui.py's order: the text, the voice, the settings (named in SETTINGS_NAMES) and the page key. Once the take's
+# first chunk is scheduled (or the take ended without audio) it returns the take's token, for the token's hidden box,
+# and Gradio then sends the page's speak function that box alone: the live route has checked the text, voice and
+# settings (they are the take's request), and Gradio does not check them again in its own words.
+# Speak stays disabled until the take is over (`SPEAK_DONE_JS`, Stop) and the live line says how far the take got;
+# Stop and an error clear it. `drama3Player` is made once per page.
 PLAYER_JS = r"""
 async (...inputs) => {
   const names = SETTINGS_NAMES;
@@ -44,13 +47,22 @@ async (...inputs) => {
       this.sources.forEach(source => source.stop());
       this.controller = null;
       this.sources = [];
+      this.show('');
+      this.busy(false);
     },
     show(text) {
       const line = document.querySelector('#live-line');
       if (line) line.textContent = text;
     },
+    busy(running) {  // Speak is disabled while a take runs
+      const speak = document.querySelector('#speak');
+      if (!speak) return;
+      speak.disabled = running;
+      speak.classList.toggle('drama3-busy', running);
+    },
     async play(url, body, pageKey, clicked, answered) {
       this.stop();
+      this.busy(true);
       const controller = this.controller = new AbortController();
       const context = window.drama3Audio;  // made by PAGE_JS when the page loaded
       context.resume();  // within the click's user activation: the browser lets it play
@@ -60,7 +72,7 @@ async (...inputs) => {
       try {
         const response = await fetch(url, {method: 'POST', body: JSON.stringify(body), signal: controller.signal,
                                            headers: {'Content-Type': 'application/json', 'X-Page-Key': pageKey}});
-        if (!response.ok) {  // the page's own event shows the server's message
+        if (!response.ok) {  // the page's own event shows the server's message, beside the field it names
           live.error = `${response.status}: ${(await response.json()).error?.message}`;
           this.show('');
           return;
@@ -93,17 +105,22 @@ async (...inputs) => {
           if (live.first_audio_ms === null) {
             live.first_audio_ms = performance.now() - clicked;
             live.audio_state = context.state;  // 'running' once resumed: the chunk is heard
-            this.show(`Playing: first audio in this browser ${Math.round(live.first_audio_ms)} ms after the click`);
             answered();
           }
+          this.show(`Playing: first audio in this browser ${Math.round(live.first_audio_ms)} ms after the click · `
+                    + `${(live.samples / rate).toFixed(1)} s of audio so far`);
         }
         live.done = true;
+        if (live.chunks) {
+          this.show(`Played: first audio in this browser ${Math.round(live.first_audio_ms)} ms after the click · `
+                    + `${(live.samples / rate).toFixed(1)} s of audio`);
+        }
         const last = this.sources[this.sources.length - 1];
         if (last) last.onended = () => { if (this.controller === controller) context.suspend(); };  // idle: no CPU
       } catch (error) {
-        if (error.name !== 'AbortError') {
+        if (error.name !== 'AbortError') {  // the page's own event says what happened
           live.error = String(error);
-          this.show('The live player stopped: the take plays below once it is complete');
+          this.show('');
         }
       } finally {
         answered();
@@ -116,22 +133,24 @@ async (...inputs) => {
   names.forEach((name, index) => { body[name] = inputs[2 + index]; });
   const token = Array.from(crypto.getRandomValues(new Uint8Array(16)), b => b.toString(16).padStart(2, '0')).join('');
   const root = (window.gradio_config?.root || location.href).replace(/\/+$/, '');
-  // Gradio sends the page's event once the first chunk is scheduled (or the take ended without audio), so that the
-  // event's work in the browser and on the server does not delay the first audio.
+  // Gradio sends the page's speak function once the first chunk is scheduled (or the take ended without audio), so that
+  // its work in the browser and on the server does not delay the first audio.
   await new Promise(answered => player.play(new URL(root + '/live/' + token, location.href), body,
                                             inputs[2 + names.length] || '', clicked, answered));
-  inputs[3 + names.length] = token;
-  return inputs;
+  return token;
 }
 """
 
 STOP_JS = "() => { window.drama3Player?.stop(); }"
+SPEAK_DONE_JS = "() => { window.drama3Player?.busy(false); }"  # after the page's speak function, whatever its end
 
 # Run once the page has loaded (the live line's `js_on_load`). It makes the page's one AudioContext now: making it
 # took about 50 ms of the first take's time to first audio (Chromium, our 2-CPU machine). It stays suspended, which
-# costs nothing, until a click on Speak resumes it (browsers let a page play after a click). And it keeps the time of
+# costs nothing, until a click on Speak resumes it (browsers let a page play after a click). It keeps the time of
 # each click on Speak, taken by the browser when the click happened: Gradio runs PLAYER_JS some 10 ms after the click,
-# and the time to first audio the page shows runs from the click itself.
+# and the time to first audio the page shows runs from the click itself. And it asks the server's `/health` every
+# STATUS_MS: while no answer comes, the server line says so in place of the status line (whose figures would be the
+# last ones read), until the server answers again.
 PAGE_JS = """
 if (!window.drama3Audio) {
   window.drama3Audio = new AudioContext();
@@ -139,8 +158,28 @@ if (!window.drama3Audio) {
   window.addEventListener('click', event => {
     if (event.target.closest?.('#speak')) window.drama3Clicked = event.timeStamp;
   }, true);
+  const health = new URL('../health', (window.gradio_config?.root || location.href).replace(/\\/*$/, '/'));
+  const watch = async () => {
+    let answered = true;
+    try {
+      await fetch(health, {cache: 'no-store', signal: AbortSignal.timeout(STATUS_MS)});
+    } catch (error) {
+      answered = false;
+    }
+    document.body.classList.toggle('drama3-unreachable', !answered);
+    const line = document.querySelector('#server-line');
+    if (line) line.textContent = answered ? '' : `The server (${location.host}) does not answer: the page tries again `
+                                                 + `every ${STATUS_MS / 1000} s and carries on once it is back.`;
+    setTimeout(watch, STATUS_MS);
+  };
+  watch();
 }
 """
+
+
+def page_js(status_seconds: float) -> str:
+    """PAGE_JS for a page whose status is read every `status_seconds`."""
+    return PAGE_JS.replace("STATUS_MS", str(round(status_seconds * 1000)))
 
 
 def player_js(settings: tuple[str, ...]) -> str:

@@ -1,11 +1,13 @@
 """What the playground page (ui.py) does, on the server's own objects: no Gradio here, and no HTTP call to itself.
 
 `Playground` speaks through the checks and the worker of `POST /v1/audio/speech` (`make_job`, `GenerationWorker`),
-enrols and deletes voices as `/v1/voices` does (`enrol_recording`, `VoiceLibrary`), previews text with the
-processor's own checks and reads the status the way `/metrics` does. Errors are the server's `APIError`s, whose
-messages are what an HTTP client reads; the page shows them as they are. A finished request is a `Take`: its
-request fields (with the seed actually used) and its audio as wav, mp3 and flac files, encoded by the encoder of the
-HTTP responses, so a take's wav is byte for byte what the same request over HTTP returns.
+enrols and deletes voices as `/v1/voices` does (`enrol_recording`, `VoiceLibrary`), previews text with the checks of
+a request's input (`split_input`) and reads the status the way `/metrics` does. Errors are the server's `APIError`s,
+whose messages are what an HTTP client reads; the page shows them beside the field they name (ui_fields.py). The
+takes' files live in one folder, removed when the server shuts down (`close`, called by ui.py's lifespan). A
+finished request is a `Take`: its request fields (with the seed actually used) and its audio as wav, mp3 and flac
+files, encoded by the encoder of the HTTP responses, so a take's wav is byte for byte what the same request over HTTP
+returns.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import soundfile
 import torch
 
 from ..audio_io import AudioEncoder
 from ..generation_drama3 import DRAMA3_GENERATION_DEFAULTS
-from .app import MORE_SAMPLING, checked, enrol_recording, make_job, ready_service
+from .app import MORE_SAMPLING, enrol_recording, make_job, ready_service, split_input
 from .audio_encoding import available_formats
 from .errors import APIError
 from .schemas import SpeechRequest
@@ -32,6 +35,23 @@ from .worker import JobDone
 
 TAKE_FORMATS = ("wav", "mp3", "flac")  # downloads offered for each take (those this libsndfile can write)
 MAX_TAKES = 20  # per page: older takes and their files are dropped
+# The shortest recording the page enrols: under 2 s a voice has too little to copy (10-30 s works best). The HTTP
+# API's POST /v1/voices leaves it to its clients.
+MIN_RECORDING_SECONDS = 2.0
+
+
+def check_length(recording: str) -> None:
+    """400 for a recording shorter than MIN_RECORDING_SECONDS (an unreadable one is left to the server's checks)."""
+    try:
+        info = soundfile.info(recording)
+    except (soundfile.LibsndfileError, RuntimeError, TypeError):
+        return
+    seconds = info.frames / info.samplerate if info.samplerate > 0 else 0.0
+    if seconds < MIN_RECORDING_SECONDS:
+        raise APIError(400, f"the recording is {seconds:.1f} s long; a voice needs at least "
+                       f"{MIN_RECORDING_SECONDS:g} s: the model copies a voice from what it hears in the recording, "
+                       "and a shorter one gives it too little to go on (10-30 s works best)", "audio",
+                       "audio_too_short")
 
 
 @dataclass
@@ -95,28 +115,36 @@ class Playground:
     # -- text ------------------------------------------------------------------------------------------------
 
     def preview(self, text: str) -> list[str]:
-        """The chunks the processor will speak (each with its speaker tag); the server's 400 for text it refuses."""
+        """The chunks the server will speak (each with its speaker tag), by the checks of a request's `input`
+        (`split_input`); the server's 413 or 400 for text it refuses."""
         if not text.strip():
             raise APIError(400, "write something to say first", "input", "invalid_text")
-        processor = self.service().processor
-        return checked(lambda: processor.split_text(text, max_bytes=self.settings.chunk_bytes), "input")
+        return split_input(text, self.service(), self.settings)
 
     # -- voices ----------------------------------------------------------------------------------------------
 
     def voice_names(self) -> list[str]:
         return self.voices.names()
 
-    async def enrol(self, name: str, transcript: str, recording: str | None) -> str:
-        """Enrol the recording file `recording` as voice `name` (the checks and messages of `POST /v1/voices`)."""
+    @property
+    def saves_voices(self) -> bool:
+        return self.voices.directory is not None
+
+    async def enrol(self, name: str, transcript: str, recording: str | None, replace: bool = False
+                    ) -> tuple[str, list[str]]:
+        """Enrol the recording file `recording` as voice `name` (the checks and messages of `POST /v1/voices`, and
+        the page's least length); its name and the server's notes on the recording (resampled, mixed to mono)."""
         service = self.service()
-        if self.voices.directory is None:
+        if not self.saves_voices:
             raise APIError(400, "this server saves no voices: start it with --voices DIR", code="voices_disabled")
         if not recording:
             raise APIError(400, "upload or record the voice first (WAV, FLAC, OGG or MP3)", "audio",
                            "missing_parameter")
-        await enrol_recording(service, self.voices, self.settings, name.strip(), transcript,
-                              lambda: asyncio.to_thread(Path(recording).read_bytes), replace=False)
-        return name.strip()
+        await asyncio.to_thread(check_length, recording)
+        name = name.strip()
+        _, notes = await enrol_recording(service, self.voices, self.settings, name, transcript,
+                                         lambda: asyncio.to_thread(Path(recording).read_bytes), replace=replace)
+        return name, notes
 
     async def delete(self, name: str) -> None:
         await asyncio.to_thread(self.voices.delete, name)
@@ -182,6 +210,10 @@ class Playground:
         """Remove a take's files (it fell out of the page's history)."""
         if take.files:
             shutil.rmtree(next(iter(take.files.values())).parent, ignore_errors=True)
+
+    def close(self) -> None:
+        """Remove every take's files (the server is shutting down)."""
+        shutil.rmtree(self.takes_dir, ignore_errors=True)
 
     # -- status ----------------------------------------------------------------------------------------------
 

@@ -128,7 +128,7 @@ def run_ray(args, figures: dict, folder: Path, source: Path, one_row: Path, chec
     import ray
     import ray.data
 
-    from transformers_drama3.jobs_ray import read_source, speech_pipeline
+    from transformers_drama3.jobs_ray import speech_pipeline
 
     started = time.perf_counter()
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -136,7 +136,8 @@ def run_ray(args, figures: dict, folder: Path, source: Path, one_row: Path, chec
     figures["ray_init_s"] = time.perf_counter() - started
     for name, path, actors in (("startup_ray", one_row, 1), ("ray_1", source, 1), ("ray_2", source, 2)):
         started = time.perf_counter()
-        speech_pipeline(read_source(str(path), ray.data, rows_per_block=args.batch_size), checkpoint,
+        rows = ray.data.read_parquet(str(path)).repartition(target_num_rows_per_block=args.batch_size)
+        speech_pipeline(rows, checkpoint,
                         batch_size=args.batch_size, concurrency=actors, device="cpu",
                         columns={"id": "key", "text": "text"}, max_new_tokens=args.frames,
                         ).write_parquet(str(folder / name))

@@ -130,17 +130,23 @@ def test_a_rerun_skips_done_items_and_redoes_a_changed_or_failed_one(job, model,
     assert results(tmp_path / "out")["item01"]["run"] != results(out)["item01"]["run"]
 
 
+def job_to_kill(manifest: Path, out: Path) -> None:
+    """The job of `test_a_killed_job_is_finished_by_a_rerun_that_makes_only_the_missing_items`, in a process of its
+    own: it loads the model as the `model` fixture does and makes one item at a time."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test run in the background ignores SIGINT
+    model = loading.load_model(str(GOLDEN_TINY), "cpu", torch.float32), Drama3Processor.from_pretrained(GOLDEN_TINY)
+    run_manifest(*model, manifest, out, batch_size=1, chunk_bytes=CHUNK_BYTES, show_progress=False,
+                 max_new_tokens=FRAMES)
+
+
 def test_a_killed_job_is_finished_by_a_rerun_that_makes_only_the_missing_items(job, model, tmp_path):
-    """The job runs in a forked copy of this process (the model already loaded), killed with SIGKILL once it has
-    recorded 4 items; the rerun here makes the others, and every file equals the uninterrupted run's."""
+    """The job runs in a process of its own, killed with SIGKILL once it has recorded 4 items; the rerun here makes
+    the others, and every file equals the uninterrupted run's. The process is spawned, not forked: a forked copy
+    shares this process's locks (tqdm's write lock among them), and one it held when killed would block the rerun
+    forever."""
     manifest, out = job
-
-    def killed_job() -> None:
-        signal.signal(signal.SIGINT, signal.SIG_DFL)  # a test run in the background ignores SIGINT
-        run_manifest(*model, manifest, tmp_path / "out", batch_size=1, chunk_bytes=CHUNK_BYTES, show_progress=False,
-                     max_new_tokens=FRAMES)
-
-    process = multiprocessing.get_context("fork").Process(target=killed_job, daemon=True)
+    process = multiprocessing.get_context("spawn").Process(target=job_to_kill, args=(manifest, tmp_path / "out"),
+                                                           daemon=True)
     process.start()
     records_dir, deadline = tmp_path / "out" / RECORDS_FOLDER, time.monotonic() + TIMEOUT
     parts = []

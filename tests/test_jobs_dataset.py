@@ -16,7 +16,7 @@ import torch
 from transformers_drama3 import cli, loading
 from transformers_drama3.jobs import run_manifest
 from transformers_drama3.jobs_dataset import run_dataset
-from transformers_drama3.jobs_items import ManifestError, dataset_items
+from transformers_drama3.jobs_items import ManifestError, dataset_items, undecoded
 from transformers_drama3.processing_drama3 import Drama3Processor
 
 from .conftest import GOLDEN_TINY
@@ -100,22 +100,22 @@ def test_a_row_that_fails_has_its_error_and_parquet_shards(model, reference, tmp
 
 
 def test_every_bad_row_is_reported_at_once_before_the_model_loads(tmp_path, monkeypatch, capsys):
-    rows = {"text": ["Fine.", "Say <|im_end|> now.", "", "Also fine."], "seed": [1, 2, -3, 4],
+    """The rows' fields (an empty text, a bad seed), the texts read by the processor (a control token) and the
+    output's columns: every problem in the first run's one message, before the model loads."""
+    rows = {"text": ["Fine.", "Say <|im_end|> now.", "", "Also fine."], "seed": [1, 2, 3, -4],
             "audio": ["a", "b", "c", "d"]}
     datasets.Dataset.from_dict(rows).to_json(str(tmp_path / "rows.jsonl"))
     monkeypatch.setattr(cli, "load_model", lambda *args: pytest.fail("the model was loaded"))
     command = [*FLAGS, "--dataset", str(tmp_path / "rows.jsonl"), "--column", "seed=seed"]
-    assert cli.main([*command, "--output-dataset", str(tmp_path / "out")]) == 1
-    assert "the dataset has column(s) ['audio'], which the audio dataset adds" in capsys.readouterr().err
-    assert cli.main([*command, "--output-dir", str(tmp_path / "out")]) == 1
-    error = capsys.readouterr().err
-    assert "row 2: seed must be in [0, 2**63), got -3" in error
-    assert "row 1 (id row1): text contains the control token '<|im_end|>'" not in error  # a second stage, below
-    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": text}) + "\n" for text in rows["text"]))
-    assert cli.main([*FLAGS, "--dataset", str(tmp_path / "rows.jsonl"), "--output-dir", str(tmp_path / "out")]) == 1
-    error = capsys.readouterr().err
-    assert "2 problems in the job's items" in error and "row 1 (id row1): text contains the control token" in error
-    assert "row 2 (id row2): text is empty" in error and not (tmp_path / "out").exists()
+    for output in ("--output-dataset", "--output-dir"):
+        assert cli.main([*command, output, str(tmp_path / "out")]) == 1
+        error = capsys.readouterr().err
+        assert "row 1 (id row1): text contains the control token '<|im_end|>'" in error
+        assert "row 2: text is empty" in error and "row 3: seed must be in [0, 2**63), got -4" in error
+        clash = "the dataset has column(s) ['audio'], which the audio dataset adds"
+        assert (clash in error) == (output == "--output-dataset"), error
+        assert f"{3 + (output == '--output-dataset')} problems in {tmp_path / 'rows.jsonl'}" in error
+    assert not (tmp_path / "out").exists()
 
 
 def test_column_mapping_ids_and_dialogues():
@@ -148,7 +148,7 @@ def test_the_ray_stages_without_ray(reference, tmp_path):
     settings = {"columns": {"id": "key", "text": "text", "references": "refs"}, "folder": str(tmp_path),
                 "max_new_tokens": FRAMES}
     coded = ReferenceEncoder(str(GOLDEN_TINY), **settings)(table)
-    assert coded["error"][2].as_py().startswith("row row2: ") and "cut.flac" in coded["error"][2].as_py()
+    assert coded["error"][2].as_py().startswith("id row2: ") and "cut.flac" in coded["error"][2].as_py()
     predictor = Drama3Predictor(str(GOLDEN_TINY), device="cpu", batch_size=4, **settings)
     made = predictor(coded).to_pylist()
     assert [row["key"] for row in made] == table["key"].to_pylist() and "reference_codes" not in made[0]
@@ -160,3 +160,48 @@ def test_the_ray_stages_without_ray(reference, tmp_path):
     assert again(table)["key"].to_pylist() == ["row2", "row3", "row4", "row5"]
     with pytest.raises(ValueError, match="Drama3Predictor takes the rows ReferenceEncoder made"):
         predictor(table)
+
+
+def test_an_audio_column_gives_each_row_its_reference(model, tmp_path):
+    """A reference audio column (`datasets.Audio`: row 1's file stored in the dataset as bytes, row 3's by its path)
+    and a transcript column: each row is cloned from its recording, decoded with soundfile (torchcodec is not
+    needed), with the same audio as the manifest job that names the file. The Python API takes the column's
+    values as references too."""
+    rng = np.random.default_rng(3)
+    soundfile.write(tmp_path / "voice.wav", rng.uniform(-0.3, 0.3, 22050).astype(np.float32), 44100)
+    stored = {"bytes": (tmp_path / "voice.wav").read_bytes(), "path": "voice.wav"}
+    refs = [None, stored, None, {"bytes": None, "path": str(tmp_path / "voice.wav")}]
+    rows = datasets.Dataset.from_dict({"text": TEXTS[:4], "ref": refs,
+                                       "ref_text": [None, "A voice.", None, "A voice."]})
+    rows = rows.cast_column("ref", datasets.Audio())
+    columns = {"text": "text", "reference_audio": "ref", "reference_transcript": "ref_text"}
+    summary = run_dataset(*model, rows, tmp_path / "out", columns=columns, show_progress=False,
+                          max_new_tokens=FRAMES)
+    assert (summary.done, summary.failed) == (4, 0)
+    made = datasets.load_from_disk(str(tmp_path / "out"))
+    assert made.features["ref"] == datasets.Audio() and made["ref_text"] == rows["ref_text"]  # the input's columns
+    made = undecoded(made)
+
+    (tmp_path / "jobs.jsonl").write_text("".join(json.dumps(
+        {"id": f"row{index}", "text": text,
+         **({"references": [{"audio": "voice.wav", "transcript": "A voice."}]} if index in (1, 3) else {})}) + "\n"
+        for index, text in enumerate(TEXTS[:4])))
+    run_manifest(*model, tmp_path / "jobs.jsonl", tmp_path / "plain", show_progress=False, max_new_tokens=FRAMES)
+    for index, row in enumerate(made):
+        assert row["audio"]["bytes"] == (tmp_path / "plain" / f"row{index}.wav").read_bytes(), index
+
+    processor = model[1].with_codec(model[0].codec)
+    from_file = processor.encode_audio(str(tmp_path / "voice.wav"))
+    samples, rate = soundfile.read(tmp_path / "voice.wav", dtype="float32")
+    for value in (stored, {"bytes": None, "path": str(tmp_path / "voice.wav")},
+                  {"array": samples, "sampling_rate": rate, "path": None}):
+        assert torch.equal(processor.encode_audio(value), from_file)  # the same samples, the same codes
+    inputs = processor("Hello.", references={"audio": stored, "transcript": "A voice."})
+    assert torch.equal(inputs["input_ids"], processor("Hello.", references={
+        "audio": str(tmp_path / "voice.wav"), "transcript": "A voice."})["input_ids"])
+
+    class AudioDecoder:  # what datasets >= 4 hands out for a decoded audio column (torchcodec's decoder)
+        pass
+
+    with pytest.raises(TypeError, match=r"Audio\(decode=False\)"):
+        processor.check_audio(AudioDecoder(), where="references[0]")

@@ -9,9 +9,14 @@ is imported until a job runs).
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 FAILED_IDS_SHOWN = 20  # failed item ids named in the final message; the rest are counted
+ONE_ACCELERATE_PROCESS = (
+    "accelerate launch started one process, though several were asked for: on a machine without GPUs it starts one "
+    "unless told --multi_gpu (accelerate launch --multi_gpu --num_processes N -m transformers_drama3.cli ...); this "
+    "job runs in this one process")
 
 
 def add_job_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,16 +26,17 @@ def add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "over all ranks)")
     jobs.add_argument("--manifest", type=Path, metavar="JOBS.jsonl", help="speak every item of this JSON Lines file")
     jobs.add_argument("--dataset", metavar="SOURCE",
-                      help="speak every row of a 🤗 dataset: a .parquet/.json/.jsonl/.csv file, a dataset folder "
-                      "(save_to_disk) or a Hub id")
+                      help="speak every row of a 🤗 dataset (the [datasets] extra): a .parquet/.json/.jsonl/.csv "
+                      "file, a dataset folder (save_to_disk) or a Hub id owner/name")
     jobs.add_argument("--split", default="train", help="the dataset's split (default train)")
     jobs.add_argument("--text-column", metavar="NAME", help="the dataset's text column (default text)")
     jobs.add_argument("--dialogue-column", metavar="NAME",
                       help='a column of turns [{"speaker": N, "text": T}, ...] instead of a text column')
     jobs.add_argument("--id-column", metavar="NAME", help="a column of unique row ids (default: row + index)")
     jobs.add_argument("--column", action="append", default=[], metavar="FIELD=NAME",
-                      help="take an item field (voice, references, seed, speaker, format, temperature, top_p, top_k, "
-                      "max_new_tokens, greedy, text_file) from a column; repeatable")
+                      help="take an item field (voice, references, reference_audio, reference_transcript, seed, "
+                      "speaker, format, temperature, top_p, top_k, max_new_tokens, greedy, text_file) from a column; "
+                      "repeatable")
     jobs.add_argument("--output-dir", type=Path, metavar="DIR", help="write each item as DIR/ID.FORMAT, with "
                       "DIR/results.jsonl")
     jobs.add_argument("--output-dataset", type=Path, metavar="DIR",
@@ -103,6 +109,11 @@ class JobInput:
         self.args, self.flags, self.dataset = args, flags, None
 
     @property
+    def name(self) -> str:
+        """How errors name the input: the manifest's file name, or the dataset as given."""
+        return self.args.manifest.name if self.args.manifest is not None else str(self.args.dataset)
+
+    @property
     def files_dir(self) -> Path:
         """Where the items' files and results.jsonl go."""
         from .jobs_dataset import AUDIO_FOLDER
@@ -110,31 +121,37 @@ class JobInput:
         args = self.args
         return args.output_dir if args.output_dir is not None else args.output_dataset / AUDIO_FOLDER
 
-    def read(self) -> list:
-        from .jobs_dataset import check_output_columns
-        from .jobs_items import dataset_items, load_input_dataset, read_manifest
+    def read(self) -> tuple[list, list[str]]:
+        """(the items, the problems of lines or rows that made none): every line or row checked."""
+        from .jobs_dataset import OUTPUT_COLUMNS, read_dataset_job
+        from .jobs_items import read_manifest
 
-        args, base_seed = self.args, self.args.seed or 0
+        args, base_seed, problems = self.args, self.args.seed or 0, []
         if args.manifest is not None:
-            return read_manifest(args.manifest, base_seed, self.flags)
-        self.dataset = load_input_dataset(args.dataset, args.split)
-        columns = dataset_columns(args)
-        if args.output_dataset is not None:
-            check_output_columns(self.dataset.column_names, columns)
-        local = Path(args.dataset)
-        folder = (local if local.is_dir() else local.parent) if local.exists() else Path.cwd()
-        return dataset_items(self.dataset, columns, dialogue_column=args.dialogue_column, folder=folder,
-                             base_seed=base_seed, defaults=self.flags, what=str(args.dataset))
+            return read_manifest(args.manifest, base_seed, self.flags, problems), problems
+        self.dataset, items = read_dataset_job(
+            args.dataset, split=args.split, columns=dataset_columns(args), dialogue_column=args.dialogue_column,
+            base_seed=base_seed, defaults=self.flags, added=OUTPUT_COLUMNS if args.output_dataset else None,
+            problems=problems)
+        return items, problems
 
     def finish(self, items: list, processor) -> Path:
         """Write the audio dataset (with `--output-dataset`); the folder with the results."""
         if self.args.output_dataset is None:
             return self.files_dir
-        from .jobs_dataset import audio_dataset, save_audio_dataset
+        from .jobs_dataset import audio_dataset, file_results, save_audio_dataset
 
-        made = audio_dataset(self.dataset, items, self.files_dir, processor.sampling_rate)
+        made = audio_dataset(self.dataset, items, file_results(self.files_dir), processor.sampling_rate)
         save_audio_dataset(made, self.args.output_dataset, self.args.dataset_format, self.args.num_shards)
         return self.args.output_dataset
+
+
+def one_accelerate_process() -> bool:
+    """Whether this is the single process that `accelerate launch --num_processes N` (N > 1) starts without
+    `--multi_gpu` on a machine without GPUs: accelerate's simple launcher sets MASTER_ADDR when several processes
+    are asked for, but no torch.distributed WORLD_SIZE (a launch of several processes sets one)."""
+    return all(name in os.environ for name in ("ACCELERATE_MIXED_PRECISION", "MASTER_ADDR")) and (
+        "WORLD_SIZE" not in os.environ)
 
 
 def failed_message(summary) -> str:
@@ -145,4 +162,5 @@ def failed_message(summary) -> str:
             "(rerun the same command to retry them)")
 
 
-__all__ = ["JobInput", "add_job_arguments", "check_job_usage", "dataset_columns", "failed_message", "is_job"]
+__all__ = ["ONE_ACCELERATE_PROCESS", "JobInput", "add_job_arguments", "check_job_usage", "dataset_columns",
+           "failed_message", "is_job", "one_accelerate_process"]

@@ -25,6 +25,7 @@ What a run does:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -72,12 +73,12 @@ class JobPlan:
 
 
 def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, batch_size: int = 8,
-             chunk_bytes: int = 300, sort_by_length: bool = True, shares: int = 1) -> JobPlan:
+             chunk_bytes: int = 300, sort_by_length: bool = True, shares: int = 1, problems=()) -> JobPlan:
     """Read every pending item's text and voice files, check them with `processor` (every problem of every item in
-    one `ManifestError`), and cut the items of one chunk into batches (by length unless `sort_by_length=False`,
-    never mixing sampling settings); an item of several chunks is a batch of its own. With `shares` model copies
-    (data parallel ranks) a group's batches are made small enough that every copy gets one. Done items are left out.
-    No model is needed (run it before loading one)."""
+    one `ManifestError`, with the `problems` of lines or rows that made no item), and cut the items of one chunk
+    into batches (by length unless `sort_by_length=False`, never mixing sampling settings); an item of several
+    chunks is a batch of its own. With `shares` model copies (data parallel ranks) a group's batches are made small
+    enough that every copy gets one. Done items are left out. No model is needed (run it before loading one)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     if chunk_bytes < MIN_CHUNK_BYTES:
@@ -87,18 +88,10 @@ def plan_job(items: list[JobItem], output_dir: str | os.PathLike, processor, *, 
         raise NotADirectoryError(f"the output folder {str(output_dir)!r} is a file: give a folder (it is created if "
                                  "missing)")
     done = {record["id"]: record for record in read_records(output_dir) if record.get("status") == "done"}
-    prepared, problems, skipped = {}, [], 0
-    for index, item in enumerate(items):
-        record = done.get(item.id)
-        if record and record.get("fingerprint") == item.fingerprint and (output_dir / item.file_name).is_file():
-            skipped += 1
-            continue
-        try:
-            prepared[index] = read_item(item, processor, chunk_bytes)
-        except (OSError, ValueError, TypeError) as error:
-            problems.append(f"{item.where} (id {item.id}): {error}")
-    if problems:
-        raise problems_error(problems, "the job's items")
+    pending = [index for index, item in enumerate(items) if not (
+        done.get(item.id, {}).get("fingerprint") == item.fingerprint and (output_dir / item.file_name).is_file())]
+    prepared = read_items(items, pending, processor, chunk_bytes, problems)
+    skipped = len(items) - len(pending)
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / RECORDS_FOLDER).mkdir(exist_ok=True)
     for index in prepared:
@@ -128,6 +121,22 @@ def batches_of(items: list[JobItem], prepared: dict, batch_size: int, sort_by_le
     return batches
 
 
+def read_items(items: list[JobItem], pending, processor, chunk_bytes: int, problems=(),
+               what: str = "the job's items") -> dict:
+    """`read_item` of each pending item (indices into `items`): index -> (text, its chunks, references). Raises
+    one `ManifestError` with every item's problem and the earlier `problems` (of lines or rows that made no item,
+    in `what`)."""
+    prepared, found = {}, list(problems)
+    for index in pending:
+        try:
+            prepared[index] = read_item(items[index], processor, chunk_bytes)
+        except (OSError, ValueError, TypeError) as error:
+            found.append(f"{items[index].where} (id {items[index].id}): {error}")
+    if found:
+        raise problems_error(found, what)
+    return prepared
+
+
 def read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[str, list[str], list]:
     """(text, its chunks, references) of an item: the text read and checked (no control tokens), voice files
     loaded, recordings checked (their headers read)."""
@@ -138,7 +147,7 @@ def read_item(item: JobItem, processor, chunk_bytes: int) -> tuple[str, list[str
     references = [Drama3Voice.load(path) for path in item.voices]
     for number, reference in enumerate(item.references):
         processor.check_text(reference["transcript"], f"references[{number}].transcript")
-        processor.check_audio(str(reference["audio"]), where=f"references[{number}]")
+        processor.check_audio(reference["audio"], where=f"references[{number}]")
     return text, chunks, references + item.references
 
 
@@ -206,7 +215,8 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
         plan.claims.mkdir(exist_ok=True)
     if distributed:
         dist.barrier()  # every rank loaded and ready: none takes every batch while another is still loading
-    with open(records, "a", encoding="utf-8") if writer else open(os.devnull, "w") as file:
+    sink = open(records, "a", encoding="utf-8") if writer else open(os.devnull, "w")
+    with contextlib.closing(progress), sink as file:  # the bar closed on the way out, an interrupted run's too
 
         def record(index: int, **fields) -> None:
             item = plan.items[index]
@@ -223,17 +233,18 @@ def run_job(model, processor, plan: JobPlan, show_progress: bool = True) -> JobS
             mine = not shared or (number == parallel.rank() if number < copies else claim(plan.claims / str(number)))
             if not mine:
                 continue
-            run_batch(model, processor, plan, batch, record, writer)
+            run_batch(model, processor, plan, batch, record, writer, show_progress=progress.enabled)
             progress.count_other_ranks()
-    if distributed:
-        dist.barrier()
-    progress.count_other_ranks()
-    progress.close()
+        if distributed:
+            dist.barrier()
+        progress.count_other_ranks()
     return parallel.run_on_main_process(merge_records, plan)
 
 
-def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: bool = True) -> None:
-    """Speak the items of `batch`, write their files (when `write`) and `record(index, **fields)` each.
+def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: bool = True,
+              show_progress: bool = False) -> None:
+    """Speak the items of `batch`, write their files (when `write`) and `record(index, **fields)` each; with
+    `show_progress`, an item of several chunks has a progress bar over its chunks.
 
     Reference recordings are encoded first (an item whose encoding fails is recorded as failed); a batch whose
     generation fails is retried item by item, so that a bad item fails alone.
@@ -250,13 +261,13 @@ def run_batch(model, processor, plan: JobPlan, batch: list[int], record, write: 
         return
     try:
         spoken = speak_batch(model, processor, [plan.items[index] for index in members],
-                             [plan.prepared[index] for index in members], references, plan.chunk_bytes)
+                             [plan.prepared[index] for index in members], references, plan.chunk_bytes, show_progress)
     except (RuntimeError, ValueError, TypeError) as error:  # torch.OutOfMemoryError is a RuntimeError
         if len(members) == 1:
             record(members[0], status="failed", error=f"{type(error).__name__}: {error}")
         else:
             for index in members:
-                run_batch(model, processor, plan, [index], record, write)
+                run_batch(model, processor, plan, [index], record, write, show_progress)
         return
     taken = (time.perf_counter() - started) / len(members)
     rate = model.config.sampling_rate
@@ -274,20 +285,21 @@ def encoded_references(processor, references: list, codec) -> list:
     processor = processor.with_codec(codec)
     return [reference if isinstance(reference, Drama3Voice) or "codes" in reference else
             {"transcript": reference["transcript"],
-             "codes": processor.encode_audio(str(reference["audio"]), where=str(reference["audio"]))}
+             "codes": processor.encode_audio(reference["audio"], where="reference audio")}
             for reference in references]
 
 
 def speak_batch(model, processor, items: list[JobItem], prepared: list[tuple], references: list,
-                chunk_bytes: int) -> list[tuple]:
+                chunk_bytes: int, show_progress: bool = False) -> list[tuple]:
     """(audio `[samples]`, frames, finish reason, chunks) of each item (`prepared`: `read_item`'s results,
     `references`: `encoded_references`'): one batched `generate` with a seed per sequence for items of one chunk
-    and the same settings, `synthesize` for an item of several (a batch of its own)."""
+    and the same settings, `synthesize` for an item of several (a batch of its own; with `show_progress`, a bar
+    over its chunks)."""
     text, chunks, _ = prepared[0]
     settings = items[0].settings  # the same for every item of a batch (plan_job groups them)
     if len(chunks) > 1:
         speech = synthesize(model, processor, text, references[0], chunk_bytes=chunk_bytes,
-                            seed=items[0].seed, show_progress=False, **settings)
+                            seed=items[0].seed, show_progress=show_progress, **settings)
         cut = [reason for reason in speech.finish_reasons if reason != "eos"]
         return [(speech.audio, speech.num_frames, (cut or ["eos"])[0], len(speech.texts))]
     inputs = processor([each[1][0] for each in prepared], references=references)
@@ -387,5 +399,6 @@ def run_manifest(model, processor, manifest: str | os.PathLike, output_dir: str 
 
 
 __all__ = ["JOB_COLLECTIVE_TIMEOUT", "RECORDS_FOLDER", "RESULTS_FILE", "JobPlan", "JobProgress", "JobSummary",
-           "batches_of", "claim", "copies_of_model", "encoded_references", "merge_records", "plan_job", "read_item", "read_records",
-           "records_in", "run_batch", "run_items", "run_job", "run_manifest", "speak_batch"]
+           "batches_of", "claim", "copies_of_model", "encoded_references", "merge_records", "plan_job", "read_item",
+           "read_items", "read_records", "records_in", "run_batch", "run_items", "run_job", "run_manifest",
+           "speak_batch"]

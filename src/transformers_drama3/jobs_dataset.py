@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 from . import parallel
-from .jobs import RESULTS_FILE, JobSummary, records_in, run_items
-from .jobs_items import JobItem, ManifestError, dataset_items
+from .jobs import RESULTS_FILE, JobSummary, read_items, records_in, run_items
+from .jobs_items import JobItem, ManifestError, dataset_items, load_input_dataset, reported
 
 AUDIO_FOLDER = "audio"  # OUT/audio/: the rows' files and results.jsonl, what a rerun resumes from
 OUTPUT_COLUMNS = ("audio", "frames", "finish_reason", "seed", "error")
@@ -35,21 +35,70 @@ def check_output_columns(column_names: list[str], columns: dict | None, added=OU
                             "(dataset.rename_column)")
 
 
-def audio_dataset(dataset, items: list[JobItem], job_dir: Path, sampling_rate: int):
-    """`dataset` (the job's rows, `items` made from them in order) with the job's results from `job_dir` added:
-    `audio` (the row's file, as written), `frames`, `finish_reason`, `seed`, and `error` (None when done)."""
-    import datasets
+def read_dataset_job(source: str | os.PathLike, *, split: str = "train", columns: dict | None = None,
+                     dialogue_column: str | None = None, base_seed: int = 0, defaults: dict | None = None,
+                     added=OUTPUT_COLUMNS, problems: list[str] | None = None) -> tuple:
+    """(the dataset at `source`, its rows' items): read (`load_input_dataset`: a parquet / JSON / JSON Lines / CSV
+    file, a `save_to_disk` folder, a Hub id) and checked (`checked_rows`), as `drama3-tts --dataset` and
+    `drama3-ray` both check their input. Relative paths in the rows are relative to the source's folder (the
+    working directory for a Hub dataset)."""
+    dataset = load_input_dataset(source, split)
+    items = checked_rows(dataset, columns=columns, dialogue_column=dialogue_column, folder=source_folder(source),
+                         base_seed=base_seed, defaults=defaults, added=added, what=str(source), problems=problems)
+    return dataset, items
 
+
+def checked_rows(dataset, *, columns: dict | None = None, dialogue_column: str | None = None,
+                 folder: str | os.PathLike = ".", base_seed: int = 0, defaults: dict | None = None,
+                 added=OUTPUT_COLUMNS, what: str = "the dataset", problems: list[str] | None = None) -> list[JobItem]:
+    """The items of `dataset`'s rows, every row checked (`dataset_items`), and its columns: `added`, the output
+    columns the rows must not have (`check_output_columns`; None: no check). One `ManifestError` names every problem
+    (or, given a list `problems`, they are added to it and the good rows' items returned)."""
+    found: list[str] = []
+    if added is not None:
+        try:
+            check_output_columns(dataset.column_names, columns, added)
+        except ManifestError as error:
+            found.append(str(error))
+    items = dataset_items(dataset, columns, dialogue_column=dialogue_column, folder=folder, base_seed=base_seed,
+                          defaults=defaults, what=what, problems=found)
+    return reported(items, found, problems, what)
+
+
+def source_folder(source: str | os.PathLike) -> Path:
+    """Where relative paths in the rows of the dataset at `source` point: its folder (the folder itself for a
+    `save_to_disk` one), or the working directory for a Hub dataset."""
+    local = Path(source)
+    return (local if local.is_dir() else local.parent) if local.exists() else Path.cwd()
+
+
+def file_results(job_dir: Path):
+    """The results of a job that wrote files (`run_items`) into `job_dir`, as `audio_dataset` takes them: item ->
+    (its record in results.jsonl, the bytes of its file or None)."""
     records = {record["id"]: record for record in records_in(job_dir / RESULTS_FILE)}
+
+    def result(item: JobItem) -> tuple[dict, bytes | None]:
+        record = records.get(item.id, {"error": "not run"})
+        done = record.get("status") == "done"
+        return record, (job_dir / item.file_name).read_bytes() if done else None
+
+    return result
+
+
+def audio_dataset(dataset, items: list[JobItem], results, sampling_rate: int):
+    """`dataset` (the job's rows, `items` made from them in order) with the job's results added: `audio` (the
+    row's file, as written), `frames`, `finish_reason`, `seed`, and `error` (None when done). `results(item)` ->
+    (a record with `frames`, `finish_reason` and `error`, the file's bytes or None): `file_results`, or a Ray job's
+    (`jobs_ray`)."""
+    import datasets
 
     def add(batch, indices):
         columns = {name: [] for name in OUTPUT_COLUMNS}
         for index in indices:
             item = items[index]
-            record = records.get(item.id, {"error": "not run"})
-            done = record.get("status") == "done"
-            columns["audio"].append({"bytes": (job_dir / item.file_name).read_bytes(), "path": item.file_name}
-                                    if done else None)
+            record, audio = results(item)
+            done = audio is not None
+            columns["audio"].append({"bytes": audio, "path": item.file_name} if done else None)
             columns["frames"].append(record.get("frames"))
             columns["finish_reason"].append(record.get("finish_reason"))
             columns["seed"].append(item.seed)
@@ -104,18 +153,21 @@ def run_dataset(model, processor, dataset, output: str | os.PathLike, *, columns
         raise ValueError(f"dataset_format must be one of {list(DATASET_FORMATS)}, got {dataset_format!r}")
 
     def items() -> list[JobItem]:
-        check_output_columns(dataset.column_names, columns)
-        return dataset_items(dataset, columns, dialogue_column=dialogue_column, folder=folder, base_seed=seed,
-                             defaults=generate_kwargs)
+        problems: list[str] = []
+        listed = checked_rows(dataset, columns=columns, dialogue_column=dialogue_column, folder=folder,
+                              base_seed=seed, defaults=generate_kwargs, problems=problems)
+        if problems:  # one message with what reading the other rows' texts finds
+            read_items(listed, range(len(listed)), processor, chunk_bytes, problems, "the dataset")
+        return listed
 
     listed = parallel.run_on_main_process(items)
     summary = run_items(model, processor, listed, output / AUDIO_FOLDER, batch_size=batch_size,
                         chunk_bytes=chunk_bytes, sort_by_length=sort_by_length, show_progress=show_progress)
     if parallel.is_main_process():
-        made = audio_dataset(dataset, listed, output / AUDIO_FOLDER, processor.sampling_rate)
+        made = audio_dataset(dataset, listed, file_results(output / AUDIO_FOLDER), processor.sampling_rate)
         save_audio_dataset(made, output, dataset_format, num_shards)
     return summary
 
 
 __all__ = ["AUDIO_FOLDER", "DATASET_FORMATS", "OUTPUT_COLUMNS", "audio_dataset", "check_output_columns",
-           "run_dataset", "save_audio_dataset"]
+           "checked_rows", "file_results", "read_dataset_job", "run_dataset", "save_audio_dataset", "source_folder"]

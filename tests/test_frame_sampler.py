@@ -220,3 +220,18 @@ def test_a_batch_with_settings_per_sequence_gives_each_its_frames_alone(golden_m
         alone = model.generate(prompt[None], seed=seed, max_new_tokens=FRAMES, output_audio=False, **changes)
         made = torch.stack(frames[index], dim=1) if frames[index] else alone.codes[0][:, :0]
         assert torch.equal(made, alone.codes[0]), index
+
+
+@pytest.mark.parametrize("keep_crossing", [True, False])
+def test_ordering_only_the_ranks_a_top_k_bound_allows_keeps_the_same_candidates(keep_crossing):
+    """`rank_limit` (the codebooks' cap) orders the first ranks with `topk` instead of sorting all: the same kept set
+    and scaled logits, row by row, for top-k values up to the limit and top-p values that cut before it or not."""
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 4096, generator=generator) * 3
+    temperature = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.8, 1e-6])
+    top_k = torch.tensor([30, 1, 7, 30, 12, 30])
+    top_p = torch.tensor([0.9, 0.9, 1.0, 0.05, 0.99, 0.9])
+    full = kept_logits(logits, temperature, top_k, top_p, keep_crossing)
+    limited = kept_logits(logits, temperature, top_k, top_p, keep_crossing, rank_limit=30)
+    assert torch.equal(torch.isinf(full), torch.isinf(limited))
+    assert torch.equal(full[~torch.isinf(full)], limited[~torch.isinf(limited)])

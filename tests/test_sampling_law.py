@@ -33,6 +33,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import GOLDEN_TINY
+from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3.cpu_path import resolve_cpu_path
+
 SAMPLES = 512
 ALPHA = 1e-6
 MARGIN = 1e-3  # distance of every top-p decision from its threshold: float32 logits cannot flip one
@@ -92,6 +96,15 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     statistic = ((observed - wanted) ** 2 / wanted).sum()
     dof = len(cells_counts) - 1
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2).item()
+
+
+@pytest.fixture(scope="module", params=["float32", "cpu path"])
+def golden_model(request):
+    """The golden tiny model in float32 (the suite's fixture), then on the CPU path a plain load takes on this CPU
+    (bfloat16 or float16 weights, cpu_path.py): the laws are computed from each model's own `forward`."""
+    if request.param == "float32":
+        return request.getfixturevalue("golden_model")
+    return FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path=resolve_cpu_path("auto"))
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from transformers import LogitsProcessor, StoppingCriteria
 
-from .sampling import FrameSampler, draw, kept_logits, ras_log_probs
+from .sampling import CODEBOOK_TOP_K_CAP, FrameSampler, draw, kept_logits, ras_log_probs
 
 FINISH_EOS, FINISH_LENGTH, FINISH_CONTEXT, FINISH_STOP = "eos", "length", "context", "stop"
 
@@ -56,8 +56,11 @@ class Drama3FrameSampling(LogitsProcessor):
         greedy = scores.argmax(-1)  # [b]
         if not sampler.sampling:
             return greedy
+        # Every row's top-k is capped: on a CPU only that many ranks are ordered (a sort of all V cost more there); a
+        # GPU sorts all V in one kernel, fewer than the partial ordering's.
+        limit = CODEBOOK_TOP_K_CAP if scores.device.type == "cpu" else None
         kept = kept_logits(scores, sampler.codebook_temperature, sampler.codebook_top_k, sampler.codebook_top_p,
-                           keep_crossing=False)
+                           keep_crossing=False, rank_limit=limit)
         return torch.where(sampler.do_sample, draw(kept, noise=noise[:, index, : scores.shape[-1]]), greedy)
 
 

@@ -27,6 +27,7 @@ from .codec_file import attach_codec, read_codec_file, take_codec_placement, wit
 from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
 from .continuous_batching import Drama3ContinuousBatchingMixin
+from .cpu_path import apply_cpu_path, cpu_path_for_load
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin
 from .input_checks import (
@@ -130,6 +131,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         # `with_codec=False` is how `from_pretrained` builds the model: the codec comes from codec.pth afterwards, so
         # that transformers' loading, device maps and quantization never meet it (see `codec_file`).
         self.codec = FishDACCodec(config.codec_config) if with_codec else None
+        self.cpu_path = None  # the CPU path `from_pretrained` (or `apply_cpu_path`) brought the weights to (cpu_path.py)
         self.post_init()
         self._init_generation_config()  # after post_init, which makes the generation config from the model config
 
@@ -298,7 +300,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
                 raise ValueError(f"labels must hold integer ids (frame rows, main id {IGNORE_INDEX} to leave a row "
                                  f"out), got {labels.dtype}")
         self._check_caches(cache, tower_cache, batch)
-        past = cache.get_seq_length() if cache is not None else 0
+        past = compat.cached_rows(cache) if cache is not None else 0
         limit = self.config.text_config.max_position_embeddings
         if past + rows > limit:
             raise ValueError(
@@ -323,8 +325,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         """`forward` on checked inputs (`checked_inputs`): the full mask `[B, past + T]`, caches (None: no caching)."""
         input_ids = input_ids.to(self.input_device, torch.long)
         rows = input_ids.shape[1]
-        past = cache.get_seq_length() if cache is not None else 0
-        position_ids = self.row_positions(attention_mask)[:, past:]  # [B, T]
+        position_ids = self.row_positions(attention_mask)[:, -rows:]  # [B, T]: the mask is [B, past + T]
 
         hidden = self.run_backbone(input_ids, position_ids, attention_mask, cache)  # [B, T, D]
         kept = min(logits_to_keep, rows) or rows  # rows with logits: the last `kept`
@@ -363,9 +364,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         if cache is None:
             return
         lag = 0 if tower_cache.pending_row is None else 1
-        if tower_cache.get_seq_length() + lag != cache.get_seq_length():
+        if tower_cache.get_seq_length() + lag != compat.cached_rows(cache):
             raise ValueError(
-                f"the backbone cache holds {cache.get_seq_length()} rows but the tower cache "
+                f"the backbone cache holds {compat.cached_rows(cache)} rows but the tower cache "
                 f"{tower_cache.get_seq_length() + lag}: they must come from the same earlier passes"
             )
         if tower_cache.pending_row is not None and tower_cache.pending_row[0].shape[0] != batch:
@@ -440,10 +441,18 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec comes from
         `codec.pth`, whole, in float32 whatever `dtype` is, on the device where the model takes its inputs or the one
         `device_map` names for `"codec"` (never offloaded; `model.codec.to(...)` changes device or dtype afterwards).
-        Without `dtype` (or with `"auto"`) on a machine with no GPU the model loads in float32 (`default_dtype`),
-        elsewhere in the checkpoint's bfloat16. See docs/loading.md and docs/hardware.md.
+        Without `dtype` (or with `"auto"`) on a machine with no GPU the model takes the CPU path (`cpu_path.py`):
+        bfloat16 where the CPU computes it natively, else float16 weights over float32 activations for the dense
+        linears and experts; `cpu_path="float32"` (or `dtype=torch.float32`, or `DRAMA3_CPU_PATH=float32`) loads plain
+        float32 instead. With a GPU the checkpoint's bfloat16 stays. `use_kernels=True` asks transformers to swap in
+        kernels from the Hub (its `kernels` package; on a GPU the linear-attention layers' kernels are fetched at
+        load): off unless asked, so that a load never needs the network. See docs/loading.md and docs/hardware.md.
         """
+        # transformers 5.17 kernelizes only when asked; newer versions by default, fetching kernels from the Hub for
+        # a model on a GPU at load (and failing offline): the package keeps the 5.17 default on every version.
+        kwargs.setdefault("use_kernels", False)
         candidate_rows_only = kwargs.pop("candidate_head_rows_only", False)
+        cpu_path = cpu_path_for_load(kwargs, kwargs.pop("cpu_path", None))  # before anything is read: it may refuse
         parallel = ParallelRequest.from_kwargs(kwargs)  # tensor/expert parallel under torchrun: checked first
         directory = _local_checkpoint_directory(pretrained_model_name_or_path, kwargs)
         default_dtype(kwargs)
@@ -468,6 +477,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
 
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
+        if cpu_path is not None:  # before the codec joins: the float32 weights replaced go first (peak memory)
+            apply_cpu_path(model, cpu_path)
         attach_codec(model, codec_state, codec_device)
         if parallel is not None:
             model.split_rules = SplitModelRules()  # what generate asks of a model split over ranks
@@ -499,6 +510,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         (`codec_file.write_codec_file`). The tokenizer belongs to the processor: `processor.save_pretrained(...)`.
         `save_original_format=False` writes module names (`backbone.*`, fused experts) instead; that loads too.
         """
+        if self.cpu_path == "int8":
+            raise ValueError("this model runs the int8 CPU path (its linears and experts are rounded to int8): a saved "
+                             "checkpoint needs the weights as loaded; load with cpu_path='float32' (or a dtype) to save")
         if isinstance(self.lm_head, CandidateRowsHead):
             raise ValueError("this model keeps only the candidate rows of lm_head (candidate_head_rows_only=True): "
                              "a saved checkpoint needs the whole head; save from a model loaded without that option")

@@ -34,24 +34,31 @@ SAMPLING_SETTINGS = FLOAT_SETTINGS + INTEGER_SETTINGS
 
 
 def kept_logits(
-    scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keep_crossing: bool
+    scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keep_crossing: bool,
+    rank_limit: int | None = None,
 ) -> torch.Tensor:
     """The draw rule of docs/format.md ("The draw rule") with one setting per row: float32 logits `[B, C]` scaled by
     the row's temperature, `-inf` outside its kept set.
 
     `scores` `[B, C]`; `temperature` `[B]` (floored at 1e-5); `top_k` `[B]` long (0: no limit); `top_p` `[B]` in
     (0, 1]. `keep_crossing` keeps the rank that crosses `top_p` (main token) or drops it (codebook heads).
+    `rank_limit`: a bound on every row's top-k known beforehand (the codebooks' cap): only that many ranks are
+    ordered (`topk` instead of a sort of all C; their probabilities against the log-sum-exp of all), the same rule.
     """
     scaled = scores.float() / temperature.float().clamp(min=MIN_TEMPERATURE)[:, None]  # [B, C]
-    sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, C]
-    probs = sorted_logits.softmax(dim=-1)
+    if rank_limit is None or rank_limit >= scores.shape[-1]:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, C]
+        probs = sorted_logits.softmax(dim=-1)
+    else:
+        sorted_logits, order = scaled.topk(rank_limit, dim=-1)  # [B, R] the first R ranks, in order
+        probs = (sorted_logits - scaled.logsumexp(dim=-1, keepdim=True)).exp()
     inclusive = probs.cumsum(dim=-1)
     top_p = top_p.float()[:, None]  # [B, 1]
     keep = (inclusive - probs) < top_p if keep_crossing else inclusive <= top_p  # [B, C] by rank
     limit = torch.where(top_k > 0, top_k, scores.shape[-1])[:, None]  # [B, 1]
-    keep &= torch.arange(scores.shape[-1], device=scores.device) < limit
+    keep &= torch.arange(keep.shape[-1], device=scores.device) < limit
     keep[:, 0] = True
-    kept = torch.zeros_like(keep).scatter(-1, order, keep)  # [B, C] by candidate
+    kept = torch.zeros_like(scaled, dtype=torch.bool).scatter(-1, order, keep)  # [B, C] by candidate
     return scaled.masked_fill(~kept, float("-inf"))
 
 

@@ -1,0 +1,136 @@
+"""The CPU path: the weight format a model loaded for a CPU runs in, chosen from what this CPU offers, at run time.
+
+- `"bfloat16"`: on a CPU with native bfloat16 arithmetic (AVX512-BF16 or AMX, as torch detects them): the backbone,
+  lm_head and tower in bfloat16 (half the bytes of float32, products in the CPU's bfloat16 instructions).
+- `"float16"`: on any other CPU: the dense linears of the backbone and the tower, and the routed experts, with
+  float16 weights over float32 activations (cpu_weights.py); norms, embeddings, the router, lm_head and the codec stay
+  float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU frame.
+- `"int8"` (only when asked for): the same parts in weight-only int8, a quarter of the float32 bytes but ~30x the
+  rounding error of float16 and, on the CPUs measured, no faster (docs/performance.md, "The CPU path").
+- `"float32"`: everything in float32, the exact reference (what the CPU path is compared with).
+
+`"auto"` (the default of `FishOmniForSpeech.from_pretrained` on a machine with no accelerator, and so of `pipeline`,
+the commands, the server and jobs on a CPU) is bfloat16 where the CPU has it natively, else float16. The
+`DRAMA3_CPU_PATH` environment variable or `cpu_path=` chooses another; an explicit `dtype` keeps the plain load in
+that dtype (`--dtype float32` for the commands). The codec always stays float32. The path a model took is
+`model.cpu_path` (None when the model was not loaded for a CPU): tests and benchmarks read it, never a CPU flag.
+docs/usage.md#the-cpu-path.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .cpu_weights import WEIGHT_FORMATS, CpuExperts, CpuLinear, can_convert
+
+CPU_PATHS = ("auto", "bfloat16", "float16", "int8", "float32")
+ENVIRONMENT_VARIABLE = "DRAMA3_CPU_PATH"
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), as torch's own kernels see it."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+
+
+def check_cpu_path(value, origin: str = "cpu_path") -> str:
+    """`value` if it names a CPU path (`CPU_PATHS`), else a `ValueError` saying which names exist."""
+    if value not in CPU_PATHS:
+        raise ValueError(f"{origin} must be one of {', '.join(CPU_PATHS)}, got {value!r}")
+    return value
+
+
+def requested_cpu_path(value: str | None = None) -> str:
+    """The path asked for: `value`, else `DRAMA3_CPU_PATH`, else `"auto"` (checked)."""
+    if value is not None:
+        return check_cpu_path(value)
+    from_environment = os.environ.get(ENVIRONMENT_VARIABLE)
+    if from_environment:
+        return check_cpu_path(from_environment.strip(), ENVIRONMENT_VARIABLE)
+    return "auto"
+
+
+def resolve_cpu_path(value: str | None = None) -> str:
+    """The concrete path (`"bfloat16"`, `"float16"`, `"int8"` or `"float32"`) for the request `value` on this CPU."""
+    requested = requested_cpu_path(value)
+    if requested != "auto":
+        return requested
+    return "bfloat16" if native_bfloat16() else "float16"
+
+
+def load_dtype(path: str) -> torch.dtype:
+    """The dtype to load a model in for `path` (float16 and int8 weights are made from float32 ones after loading)."""
+    return torch.bfloat16 if path == "bfloat16" else torch.float32
+
+
+def convert_weights(model: nn.Module, weight_format: str) -> None:
+    """Replace, in place, the dense linears of the backbone and the tower by `CpuLinear` and the routed experts by
+    `CpuExperts` in `weight_format` (cpu_weights.py); the router, lm_head, embeddings, norms and codec stay."""
+    text_config = model.config.text_config
+    for part in (model.backbone, model.tower):
+        for module in list(part.modules()):
+            for name, child in list(module.named_children()):
+                if can_convert(child, weight_format):
+                    setattr(module, name, CpuLinear(child, weight_format))
+                elif name == "experts" and hasattr(child, "gate_up_proj"):
+                    setattr(module, name, CpuExperts.from_experts(child, text_config, weight_format))
+
+
+def has_accelerator() -> bool:
+    """Whether torch sees a GPU (CUDA, XPU or MPS): then loads keep the checkpoint's dtype (`loading.default_dtype`)."""
+    return torch.cuda.is_available() or torch.xpu.is_available() or torch.backends.mps.is_available()
+
+
+def on_cpu_only(device_map) -> bool:
+    """Whether a `device_map` argument keeps the whole model in CPU memory (None, "cpu", or a dict of "cpu" only)."""
+    if device_map is None:
+        return True
+    if isinstance(device_map, dict):
+        return all(str(place) == "cpu" for place in device_map.values())
+    return str(device_map) == "cpu"
+
+
+def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
+    """The CPU path a `from_pretrained` call with `kwargs` takes (setting the dtype it loads in), or None when it
+    takes none: the load names a dtype (and no `cpu_path`), a GPU is there, or the model is quantised, offloaded,
+    placed off the CPU or split over ranks. An explicit `cpu_path` other than float32 that cannot be honoured is a
+    `ValueError`."""
+    explicit = cpu_path is not None
+    requested = requested_cpu_path(cpu_path)
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if not explicit and (dtype not in (None, "auto") or has_accelerator()):
+        return None
+    elsewhere = [name for name in ("quantization_config", "tp_plan", "distributed_config") if kwargs.get(name)]
+    if not on_cpu_only(kwargs.get("device_map")):
+        elsewhere.append("device_map")
+    if elsewhere:
+        if explicit and requested != "float32":
+            raise ValueError(f"cpu_path={cpu_path!r} is for a model loaded whole into CPU memory, but the load also "
+                             f"asks for {', '.join(elsewhere)}: drop one of them")
+        return None
+    path = resolve_cpu_path(cpu_path)
+    kwargs.pop("torch_dtype", None)
+    kwargs["dtype"] = load_dtype(path)
+    return path
+
+
+def apply_cpu_path(model: nn.Module, path: str) -> None:
+    """Bring a float32 (or bfloat16) model to `path` (`resolve_cpu_path`'s answer), in place, and record it as
+    `model.cpu_path`. The codec is kept in float32."""
+    if path not in CPU_PATHS[1:]:
+        raise ValueError(f"apply_cpu_path takes one of {', '.join(CPU_PATHS[1:])}, got {path!r}")
+    codec = model.codec
+    if path in WEIGHT_FORMATS:
+        convert_weights(model, path)
+    elif path == "bfloat16":
+        for part in (model.backbone, model.lm_head, model.tower):
+            part.to(torch.bfloat16)
+    if codec is not None:
+        codec.float()
+    model.cpu_path = path
+
+
+__all__ = ["CPU_PATHS", "ENVIRONMENT_VARIABLE", "apply_cpu_path", "check_cpu_path", "cpu_path_for_load", "load_dtype",
+           "native_bfloat16", "requested_cpu_path", "resolve_cpu_path"]

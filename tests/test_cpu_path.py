@@ -1,0 +1,186 @@
+"""The CPU path (cpu_path.py, cpu_weights.py): which path a CPU load takes, and its products and frames against the
+float32 reference.
+
+Which path runs is read from the model (`model.cpu_path`), never from a CPU flag: "auto" is bfloat16 on CPUs with
+native bfloat16, float16 elsewhere, and these tests hold on either.
+
+Tolerances are first-order rounding bounds of the formats (unit roundoff u: float16 2^-11, bfloat16 2^-8):
+- a float16 product rounds each weight and each input by at most u relative, accumulates in float32 and rounds its
+  output by u: `|y' - y| <= 2u * sum_i |x_i w_i| + u |y|` (float32's own rounding, ~K * 2^-24, is far below);
+- an int8 product rounds each weight of row r by at most `s_r / 2` (s_r its row's scale), its bfloat16 input by u and
+  its bfloat16 output by u: `|y' - y| <= s_r / 2 * sum_i |x_i| + u * sum_i |x_i w_i| + u |y|`.
+Greedy frames: the fast path's frames equal the reference's up to the first frame where the reference's top-2 margin
+is within twice the largest logit difference measured between the two paths on the reference's own frames (a flip
+needs the two logits to move by half the margin each), plus `MARGIN` for the step's float32 reordering.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.integrations.moe import grouped_mm_experts_forward
+
+from tests.conftest import GOLDEN_TINY
+from transformers_drama3 import Drama3Processor, FishOmniForSpeech
+from transformers_drama3.cpu_path import (
+    ENVIRONMENT_VARIABLE,
+    apply_cpu_path,
+    native_bfloat16,
+    resolve_cpu_path,
+)
+from transformers_drama3.cpu_weights import CpuExperts, CpuLinear, stored
+
+FLOAT16_U = 2.0**-11
+BFLOAT16_U = 2.0**-8
+MARGIN = 1e-3  # float32 reordering between a step and the teacher-forced pass (tests/test_sampling_law.py)
+
+
+@pytest.fixture
+def default_path(monkeypatch):
+    """The CPU path a plain load takes (the suite pins float32 for its exact comparisons: conftest.py)."""
+    monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
+
+
+def product_bound(x: torch.Tensor, weight: torch.Tensor, weight_format: str, scale=None) -> torch.Tensor:
+    """The first-order rounding bound of the module docstring for `x [n, in] @ weight.T`, per output `[n, out]`."""
+    magnitude = x.abs() @ weight.abs().T  # [n, out] sum_i |x_i w_i|
+    exact = (x @ weight.T).abs()
+    if weight_format == "float16":
+        return 2 * FLOAT16_U * magnitude + FLOAT16_U * exact
+    return x.abs().sum(-1, keepdim=True) * scale.float()[None] / 2 + BFLOAT16_U * (magnitude + exact)
+
+
+def test_a_plain_load_on_this_cpu_takes_the_path_this_cpu_offers(default_path):
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
+    expected = "bfloat16" if native_bfloat16() else "float16"
+    assert model.cpu_path == resolve_cpu_path() == expected
+    weight = model.tower.residual_layers[0].transformer_layer.feed_forward.w1.weight
+    assert weight.dtype == getattr(torch, expected)
+    assert next(model.codec.parameters()).dtype == torch.float32
+
+
+def test_the_path_can_be_chosen_and_an_explicit_dtype_keeps_a_plain_load(default_path, monkeypatch):
+    assert FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float32).cpu_path is None
+    reference = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path="float32")
+    assert reference.cpu_path == "float32" and reference.lm_head.weight.dtype == torch.float32
+    assert isinstance(reference.tower.heads[0], torch.nn.Linear)
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "int8")
+    quantised = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
+    assert quantised.cpu_path == "int8" and quantised.tower.heads[0].weight.dtype == torch.int8
+    with pytest.raises(ValueError, match="refuses|save"):
+        quantised.save_pretrained("/nonexistent")
+
+
+def test_bad_paths_are_refused_before_loading(default_path, monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="cpu_path must be one of auto, bfloat16, float16, int8, float32"):
+        FishOmniForSpeech.from_pretrained(tmp_path / "missing", cpu_path="fast")
+    with pytest.raises(ValueError, match="device_map"):
+        FishOmniForSpeech.from_pretrained(tmp_path / "missing", cpu_path="float16", device_map={"": "disk"})
+    monkeypatch.setenv(ENVIRONMENT_VARIABLE, "int4")
+    with pytest.raises(ValueError, match=ENVIRONMENT_VARIABLE):
+        FishOmniForSpeech.from_pretrained(tmp_path / "missing")
+
+
+@pytest.mark.parametrize("weight_format", ["float16", "int8"])
+def test_a_cpu_linear_is_within_its_rounding_bound(weight_format):
+    generator = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    torch.nn.init.normal_(linear.weight, std=0.3, generator=generator)
+    x = torch.randn(2, 5, 64, generator=generator)
+    fast = CpuLinear(linear, weight_format)
+    with torch.no_grad():
+        expected, actual = linear(x), fast(x)
+        bound = product_bound(x.view(-1, 64), linear.weight, weight_format, fast.scale).view(2, 5, 48)
+    assert actual.dtype == torch.float32
+    assert ((actual - expected).abs() <= bound).all()
+    assert (actual - expected).abs().max() > 0  # the weights really are rounded
+
+
+@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("weight_format", ["float16", "int8"])
+def test_cpu_experts_equal_transformers_experts_on_the_same_rounded_weights(golden_model, weight_format, tokens):
+    """The decode loop (3 tokens x 2 experts < 4 experts) and the per-expert prefill (a token count with more pairs
+    than experts) against transformers' grouped_mm forward on the stored weights, dequantised: only the inputs' and
+    outputs' rounding differ."""
+    experts = golden_model.backbone.layers[0].mlp.experts
+    config = golden_model.config.text_config
+    fast = CpuExperts.from_experts(experts, config, weight_format)
+    generator = torch.Generator().manual_seed(1)
+    count = tokens if tokens * config.num_experts_per_tok < config.num_experts else 7
+    hidden = torch.randn(count, config.hidden_size, generator=generator)
+    index = torch.stack([torch.randperm(config.num_experts, generator=generator)[: config.num_experts_per_tok]
+                         for _ in range(count)])
+    weights = torch.rand(count, config.num_experts_per_tok, generator=generator)
+
+    class Rounded:  # the stored weights in float32, as transformers' forward reads them
+        has_gate, has_bias, is_transposed, has_post_expert_norm, _is_expert_parallel = True, False, False, False, False
+        num_experts, _apply_gate = config.num_experts, fast._apply_gate
+        gate_up_proj = fast.dequantized("gate_up_proj", None, torch.float32)
+        down_proj = fast.dequantized("down_proj", None, torch.float32)
+
+    with torch.no_grad():
+        expected = grouped_mm_experts_forward(Rounded, hidden, index, weights)
+        actual = fast(hidden, index, weights)
+    u = FLOAT16_U if weight_format == "float16" else BFLOAT16_U
+    bound = torch.zeros(count, config.hidden_size, dtype=torch.float64)
+    for token in range(count):
+        for k, expert in enumerate(index[token].tolist()):
+            bound[token] += weights[token, k] * pair_bound(hidden[token].double(), Rounded.gate_up_proj[expert].double(),
+                                                           Rounded.down_proj[expert].double(), u)
+    assert ((actual - expected).abs() <= bound).all()
+
+
+def pair_bound(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, u: float) -> torch.Tensor:
+    """First-order bound `[H]` of one (token, expert) pair's output error when each product's input and output are
+    rounded with unit roundoff `u` (the weights being the same): through `g = gate_up @ x`, the gate
+    `a = silu(g_gate) * g_up` (|silu'| <= 1.1) and `down @ a`."""
+    g = gate_up @ x
+    g_error = u * (gate_up.abs() @ x.abs()) + u * g.abs()
+    gate, up = g.chunk(2)
+    gate_error, up_error = g_error.chunk(2)
+    a = F.silu(gate) * up
+    a_error = 1.1 * gate_error * up.abs() + F.silu(gate).abs() * up_error
+    return down.abs() @ a_error + u * (down.abs() @ a.abs()) + u * (down @ a).abs()
+
+
+@pytest.mark.parametrize("path", ["float16", "bfloat16"])
+def test_greedy_frames_equal_the_float32_path_up_to_the_margin_rule(golden_processor, path):
+    reference = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path="float32")
+    fast = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path=path)
+    inputs = golden_processor("Hello there, how are you today?")
+    prompt = inputs["input_ids"].shape[1]
+    expected = reference.generate(**inputs, max_new_tokens=16, do_sample=False, output_audio=False).sequences[0]
+    actual = fast.generate(**inputs, max_new_tokens=16, do_sample=False, output_audio=False).sequences[0]
+    with torch.no_grad():
+        ours, theirs = fast(expected[None]), reference(expected[None])
+    frames = len(expected) - prompt
+    main, heads = theirs.main_logits[0, prompt - 1 : -1], theirs.codebook_logits[0, prompt:]  # decisions of frames 1..n
+    # Per frame: the largest difference of its logits between the two paths (main token and its 9 codes).
+    difference = torch.maximum((ours.main_logits - theirs.main_logits)[0, prompt - 1 : -1].abs().amax(-1),
+                               (ours.codebook_logits - theirs.codebook_logits)[0, prompt:].abs().amax((-2, -1)))
+    top_main, top_heads = main.topk(2).values, heads.topk(2).values
+    margins = torch.minimum(top_main[:, 0] - top_main[:, 1], (top_heads[..., 0] - top_heads[..., 1]).amin(-1))
+    close = (margins[:frames] < 2 * difference[:frames] + MARGIN).nonzero()
+    decided = int(close[0, 0]) if len(close) else frames
+    assert torch.equal(actual[: prompt + decided], expected[: prompt + decided])
+    # Every decision of the reference's frames that the rule covers is the fast path's too (teacher-forced: the tiny
+    # model's random heads have near ties in most frames, which end the generated comparison early).
+    choices = torch.cat((main[:frames].argmax(-1, keepdim=True), heads[:frames].argmax(-1)), 1)  # [frames, NCB]
+    fast_choices = torch.cat((ours.main_logits[0, prompt - 1 : -1][:frames].argmax(-1, keepdim=True),
+                              ours.codebook_logits[0, prompt:][:frames].argmax(-1)), 1)
+    gaps = torch.cat(((top_main[:, 0] - top_main[:, 1])[:frames, None], (top_heads[..., 0] - top_heads[..., 1])[:frames]), 1)
+    covered = gaps > 2 * difference[:frames, None] + MARGIN  # [frames, 1 + NCB - 1]
+    assert torch.equal(choices[covered], fast_choices[covered])
+    # float16's rounding leaves most decisions covered, bfloat16's (8x coarser) fewer: the check is not empty. (int8's
+    # rounding covers none on this model: it is not a default path for that reason, docs/performance.md.)
+    assert covered.float().mean() > (0.5 if path == "float16" else 0.1), covered.float().mean()
+
+
+def test_apply_cpu_path_on_a_built_model_converts_in_place(golden_model):
+    model = FishOmniForSpeech(golden_model.config).eval()
+    apply_cpu_path(model, "float16")
+    assert model.cpu_path == "float16"
+    assert isinstance(model.backbone.layers[0].mlp.experts, CpuExperts)
+    assert all(isinstance(head, CpuLinear) for head in model.tower.heads)
+    with pytest.raises(ValueError, match="apply_cpu_path takes one of"):
+        apply_cpu_path(model, "auto")
+    assert stored(torch.ones(2, 8), "int8")[0].dtype == torch.int8

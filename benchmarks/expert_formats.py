@@ -24,7 +24,6 @@ import json
 import sys
 import time
 
-import bitsandbytes as bnb
 import torch
 
 import frame_step
@@ -65,6 +64,8 @@ def fp8_experts(plain, device) -> Fp8SelectedExperts:
 
 
 def four_bit_experts(kept: Fp8SelectedExperts, kind: str, device) -> Bnb4bitSelectedExperts:
+    import bitsandbytes as bnb  # only 4-bit experts need it
+
     quant_type, _, double = kind.partition("-")
     with torch.device("meta"):
         experts = Bnb4bitSelectedExperts(kept.config, quant_type=quant_type, compress_statistics=bool(double))

@@ -9,6 +9,10 @@ import os
 # loads) and inherited by the CLI tests' subprocesses; a value already in the environment wins.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Plain loads (no dtype) take the CPU path chosen for this CPU (cpu_path.py): float16 or bfloat16 weights. The suite's
+# exact comparisons (golden values, round trips, CLI and server outputs) are about the float32 reference, so it runs
+# with that path unless a test clears the variable (tests/test_cpu_path.py, the sampling-law tests on the CPU path).
+os.environ.setdefault("DRAMA3_CPU_PATH", "float32")
 
 import json  # noqa: E402
 import platform  # noqa: E402

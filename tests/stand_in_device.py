@@ -10,7 +10,8 @@ is on, so the server's and the streamer's threads see it too.
 
 `torch.cuda.is_available()` says True; `torch.cuda.Stream`, `Event`, `current_stream`, `stream` and
 `torch.Generator(device="cuda")` get stand-ins, and `CUDA_LOG` records which thread waited on which event, and on
-which stream. What cannot be stood in for is not: CUDA graphs, `torch.compile` for CUDA, real kernels, and
+which stream; `HOST_READS` records every read of a stand-in tensor's data by the host (`item`, `tolist`, `bool`,
+`.cpu()`, ...). What cannot be stood in for is not: CUDA graphs, `torch.compile` for CUDA, real kernels, and
 autograd (a CPU-only torch has no CUDA device guard, which autograd sets for a gradient on a CUDA tensor: an op that
 would record one raises `NotImplementedError` instead; Python bindings that set a guard before dispatching, such as
 indexing, run on the CPU tensors behind their arguments with the same device rules). The acceptance run on a GPU
@@ -32,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 STAND_IN = torch.device("cuda", 0)
+STAND_IN_MEMORY = 16 * 2**30  # bytes the stand-in says it has (free and in all): the tiny models need far less
 CPU = torch.device("cpu")
 aten = torch.ops.aten
 
@@ -245,6 +247,18 @@ def _deepcopy(func, args, kwargs):
     return memo[id(tensor)]
 
 
+def _set_data(func, args, kwargs):
+    """`tensor.data = other`: the wrapper takes `other`'s metadata (dtype, shape) and its CPU tensor too (transformers
+    5.17's loader casts parameters this way)."""
+    tensor, other = args
+    out = func(*args, **kwargs)
+    if is_stand_in(tensor):
+        if not is_stand_in(other):
+            raise StandInDeviceError("tensor.data = a CPU tensor on a stand-in tensor: move it with .to('cuda') first")
+        tensor.inner = other.inner
+    return out
+
+
 def _pin_memory(func, args, kwargs):
     """No pinned memory without a GPU: the copy it would speed up is the same."""
     if is_stand_in(args[0]):
@@ -280,16 +294,27 @@ def _call(func, args, kwargs):
     return _run_on_inner(func, args, kwargs)  # raised by the guard, before any work: nothing ran twice
 
 
+# What reads a tensor's data back to the host: each waits for the device, and a CUDA graph capture refuses it.
+_READING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "__array__"}
+HOST_READS: list[tuple[str, str]] = []  # (thread name, function) of each read of a stand-in tensor's data
+
+
 class _Functions(TorchFunctionMode):
     """Moves between the CPU and the stand-in, and the factory calls given `device="cuda"`."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if (name in _READING or (func is torch.Tensor.to and _to_arguments(args[1:], kwargs)[0] == CPU)) and args \
+                and is_stand_in(args[0]):
+            HOST_READS.append((threading.current_thread().name, name))
         if (torch.is_grad_enabled() and getattr(func, "__name__", None) not in _NO_GRAPH
                 and any(is_stand_in(t) and t.requires_grad for t in _flat(args, kwargs))):
             # autograd's C++ side sets a CUDA device guard for a gradient on a CUDA tensor, which a CPU-only torch
             # cannot (it aborts the process): refuse cleanly instead
             raise NotImplementedError(f"{func.__name__}: the stand-in device has no autograd (run it under no_grad)")
+        if name == "__set__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data":
+            return _set_data(func, args, kwargs)
         return _SPECIAL.get(func, _call)(func, args, kwargs)
 
 
@@ -324,7 +349,7 @@ def _run_on_inner(func, args, kwargs):
     """`func` on the CPU tensors behind its arguments, its tensor outputs on the stand-in."""
     if func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
         _check_indexing(func, args)
-    else:
+    elif func is not torch.Tensor.copy_:  # copies between devices are what a GPU allows
         _check_devices(func, _flat(args, kwargs), args)
     out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
     return tree_map(lambda t: StandInTensor(t) if isinstance(t, torch.Tensor) else t, out)
@@ -441,6 +466,9 @@ def stand_in_cuda(monkeypatch) -> Iterator[None]:
         "is_bf16_supported": lambda *args, **kwargs: True, "Stream": StandInStream, "Event": StandInEvent,
         "current_stream": current_stream, "default_stream": lambda device=None: DEFAULT_STREAM,
         "stream": stream_context, "device": lambda device=None: contextlib.nullcontext(),
+        # what transformers' loader asks before a `device_map` load (its caching-allocator warm-up): room for it all
+        "mem_get_info": lambda device=None: (STAND_IN_MEMORY, STAND_IN_MEMORY),
+        "memory_allocated": lambda device=None: 0, "memory_reserved": lambda device=None: 0,
     }
     for name, value in patches.items():
         monkeypatch.setattr(torch.cuda, name, value)
@@ -460,5 +488,5 @@ def stand_in_cuda(monkeypatch) -> Iterator[None]:
         yield
 
 
-__all__ = ["CUDA_LOG", "DEFAULT_STREAM", "STAND_IN", "StandInDeviceError", "StandInTensor", "is_stand_in",
+__all__ = ["CUDA_LOG", "DEFAULT_STREAM", "HOST_READS", "STAND_IN", "StandInDeviceError", "StandInTensor", "is_stand_in",
            "stand_in_cuda"]

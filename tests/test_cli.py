@@ -17,6 +17,7 @@ import soundfile
 import torch
 
 from transformers_drama3 import cli, loading
+from transformers_drama3.cpu_path import ENVIRONMENT_VARIABLE, resolve_cpu_path
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY, default_sigint
@@ -33,8 +34,9 @@ def _reuse_the_model(golden_model, monkeypatch, tmp_path):
     paths such as `-o x.wav` land in a per-test folder, never in the checkout."""
     monkeypatch.chdir(tmp_path)
     load_model = cli.load_model
+    # A CPU load without a dtype takes DRAMA3_CPU_PATH's path, float32 in this suite (conftest.py): the golden model.
     monkeypatch.setattr(cli, "load_model", lambda path, device, dtype: golden_model
-                        if (path, dtype) == (str(GOLDEN_TINY), torch.float32) else load_model(path, device, dtype))
+                        if path == str(GOLDEN_TINY) and dtype in (torch.float32, None) else load_model(path, device, dtype))
 
 
 def _main(capsys, *args):
@@ -62,11 +64,14 @@ def _tone(path, seconds=0.25, rate=44100, channels=1):
 
 
 def test_synthesis_on_the_embedded_checkpoint_writes_a_wav(tmp_path):
-    """The README's main-job command, as a user runs it: one clean line per message, no transformers noise."""
+    """The README's main-job command, as a user runs it: one clean line per message, no transformers noise, the CPU
+    path this CPU offers (not the suite's float32 pin)."""
     output = tmp_path / "hello.wav"
+    user_environment = {name: value for name, value in ENV.items() if name != ENVIRONMENT_VARIABLE}
     result = subprocess.run([*CLI, "--tiny", "Hello there.", "--output", str(output), "--max-new-tokens", "4",
-                             "--seed", "0"], capture_output=True, text=True, timeout=600, env=ENV)
+                             "--seed", "0"], capture_output=True, text=True, timeout=600, env=user_environment)
     assert result.returncode == 0, result.stderr
+    assert f"(the {resolve_cpu_path('auto')} CPU path)" in result.stderr
     assert "Traceback" not in result.stderr and f"wrote {output}" in result.stderr
     info = soundfile.info(str(output))
     assert (info.format, info.subtype, info.samplerate, info.channels) == ("WAV", "PCM_16", 44100, 1)

@@ -22,10 +22,10 @@ from websockets.sync.client import connect
 from transformers_drama3 import FishOmniForSpeech, cli
 from transformers_drama3.testing import sine_recording, sine_wav
 from transformers_drama3.engine import Drama3Engine
+from transformers_drama3.frame_step import FrameState
 from transformers_drama3.jobs import run_manifest
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings
-from transformers_drama3.serving import app as serving_app
 from transformers_drama3.serving.thread import ServerThread
 from transformers_drama3.streaming import Drama3AudioStreamer
 from transformers_drama3.synthesis import synthesize
@@ -35,7 +35,7 @@ from transformers_drama3.training.prepare import speech_example
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY
-from .stand_in_device import CUDA_LOG, DEFAULT_STREAM, STAND_IN, StandInDeviceError, is_stand_in, stand_in_cuda
+from .stand_in_device import CUDA_LOG, DEFAULT_STREAM, HOST_READS, STAND_IN, StandInDeviceError, is_stand_in, stand_in_cuda
 
 FRAMES = 3  # frames per request: the paths, not the speech, are under test
 RATE = 16000  # the reference recordings' rate: the codec resamples them to 44.1 kHz on the way in
@@ -172,8 +172,33 @@ def test_engine_results_are_on_the_cpu_and_decode_on_the_device(model, processor
            for text in ("Hello there.", "Yes.")]
     engine.run_until_idle()  # no thread of its own: the caller steps it
     results = [engine.get_result(request_id) for request_id in ids]
+    assert [result.error for result in results] == [None, None]  # a failed request has CPU codes too: no frames
+    assert all(result.frames >= 1 and result.codes.shape[-1] == result.frames for result in results)
     assert all(on_cpu(result.codes) for result in results)
     assert is_stand_in(model.codec.decode(results[0].codes[None]).audio_values)
+
+
+def test_the_frame_step_reads_nothing_back_from_the_device(model, processor, monkeypatch):
+    """`FrameState.step` runs whole on the device: not one of its values (nor transformers' inside it) is read back to
+    the host, which is what capturing it as a CUDA graph requires. Counted by the stand-in (`HOST_READS`), for greedy
+    and sampled rows in one batch, over every step an engine runs."""
+    reads, steps = [], [0]
+    step = FrameState.step
+
+    def watched(state, *args, **kwargs):
+        before, steps[0] = len(HOST_READS), steps[0] + 1
+        try:
+            return step(state, *args, **kwargs)
+        finally:
+            reads.extend(HOST_READS[before:])
+
+    monkeypatch.setattr(FrameState, "step", watched)
+    engine = Drama3Engine(model, max_batch=2)
+    ids = [engine.add_request(processor("Hello there.")["input_ids"], max_new_tokens=FRAMES, seed=3),
+           engine.add_request(processor("Yes.")["input_ids"], max_new_tokens=FRAMES, do_sample=False)]
+    engine.run_until_idle()
+    assert [engine.get_result(request_id).error for request_id in ids] == [None, None]
+    assert steps[0] >= FRAMES and reads == []
 
 
 def test_synthesize_long_text_with_a_saved_voice(model, processor, tmp_path):
@@ -196,20 +221,24 @@ def test_pipeline(model, processor):
 # -- the command line, jobs and the server ------------------------------------------------------------------------
 
 
-@pytest.fixture
-def cli_model(model, monkeypatch):
-    """`drama3-tts --device cuda` gets the module's model instead of loading one onto a real GPU."""
-    monkeypatch.setattr(cli, "load_model", lambda path, device, dtype: model)
+def test_cli_clones_a_voice_and_streams_on_the_device(stand_in, tmp_path, monkeypatch):
+    """`drama3-tts --device cuda` loads the checkpoint onto the device itself (`device_map`), as on a GPU."""
+    placed = []
+    load = cli.load_model
 
+    def watched(*args, **kwargs):
+        loaded = load(*args, **kwargs)
+        placed.append(all(is_stand_in(p) for p in loaded.parameters()))
+        return loaded
 
-def test_cli_clones_a_voice_and_streams_on_the_device(cli_model, tmp_path):
+    monkeypatch.setattr(cli, "load_model", watched)
     reference, output = tmp_path / "me.wav", tmp_path / "out.wav"
     reference.write_bytes(wav_bytes())
     args = ["--model", str(GOLDEN_TINY), "--device", "cuda", "--dtype", "float32", "--quiet", "--seed", "0",
             "--max-new-tokens", str(FRAMES), "--reference", str(reference), "--reference-text", "Hi.",
             "-o", str(output), "Hello there."]
     assert cli.main([*args, "--stream"]) == 0
-    assert soundfile.info(str(output)).frames > 0
+    assert placed == [True] and soundfile.info(str(output)).frames > 0
 
 
 def test_manifest_job(model, processor, tmp_path):
@@ -224,8 +253,8 @@ def test_manifest_job(model, processor, tmp_path):
 
 
 @pytest.fixture
-def server(model, monkeypatch, tmp_path):
-    monkeypatch.setattr(serving_app, "load_model", lambda path, device, dtype: model)
+def server(stand_in, tmp_path):
+    """`drama3-serve --device cuda`, loading the checkpoint onto the device itself (`device_map`)."""
     settings = ServerSettings(model=str(GOLDEN_TINY), device="cuda", dtype="float32", voices_dir=tmp_path,
                               model_name="drama3", max_frames=FRAMES, max_batch=4)
     with ServerThread(settings).wait_until_ready(600) as running:

@@ -15,6 +15,7 @@ dtype, so u is float32's here although the model runs in float64 (about 2e-6 is 
 a wrong row, mask, position or cache slot changes hidden states by O(1).
 """
 
+import contextlib
 import copy
 import threading
 
@@ -22,11 +23,11 @@ import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.cuda_graphs import captured_experts
+from transformers_drama3.cuda_graphs import StepGraphs, captured_experts
 from transformers_drama3.frame_step import WINDOW_CHUNK, FrameState, attention_window, row_limit
 from transformers_drama3.engine import Drama3Engine
 from transformers_drama3.frame_rules import Drama3FrameSampling
-from transformers_drama3.frame_runner import FrameRunner, kept_states
+from transformers_drama3.frame_runner import FrameRunner, KeptStates, kept_states
 from transformers_drama3.generation_drama3 import generation_settings
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.streaming import Drama3AudioStreamer
@@ -352,6 +353,81 @@ def test_cuda_graph_replays_give_the_eager_frames(expected):
     assert all(torch.equal(x, y) for x, y in zip(inline.chunks, overlapped.chunks)) and len(inline.chunks) > 2
     model.reset_frame_states()
     assert kept_states(model).states == {}
+
+
+class StandInCapture:
+    """torch.cuda's stream and graph calls as a CPU run can take them, for `test_nothing_compiles_inside_a_capture`:
+    a capture runs its step (where a compile would happen; a real capture would launch its kernels into the graph),
+    a replay runs the captured step again. It counts the graphs TorchDynamo made inside captures and elsewhere."""
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_stream(self, other) -> None:
+            pass
+
+    class Graph:
+        step = None
+
+        def replay(self) -> None:
+            self.step()
+
+    def __init__(self, monkeypatch):
+        self.inside = self.outside = self.captures = 0
+        self.keys: set[tuple] = set()
+        monkeypatch.setattr(torch.cuda, "Stream", self.Stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.Stream())
+        monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+        monkeypatch.setattr(torch.cuda, "graph_pool_handle", object)
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", self.Graph)
+        monkeypatch.setattr(torch.cuda, "graph", self.capture_region)
+        capture = StepGraphs.capture
+
+        def recording(graphs, model, step, device):
+            graph = capture(graphs, model, step, device)
+            graph.step = step
+            return graph
+
+        monkeypatch.setattr(StepGraphs, "capture", recording)
+
+    @staticmethod
+    def graphs_made() -> int:
+        return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+    @contextlib.contextmanager
+    def capture_region(self, graph, **kwargs):
+        before = self.graphs_made()
+        yield
+        self.inside += self.graphs_made() - before
+        self.captures += 1
+
+
+def test_nothing_compiles_inside_a_capture(model, prompt, monkeypatch):
+    """With CUDA graphs and a compiled step (`fast_decode=True, compile_step=True`, the defaults' sampling), each
+    variant of the step (argmax-only, sampling) compiles in the state's warm-up, outside any capture: a compile inside
+    `torch.cuda.graph` would launch its first kernels into the graph. Run on the CPU with torch.cuda's capture calls
+    stood in for (`StandInCapture`) and dynamo's `eager` backend (tracing without code generation)."""
+    torch._dynamo.reset()
+    stand_in = StandInCapture(monkeypatch)
+    defaults = generation_settings(model.generation_config)
+    runner = FrameRunner(model, Drama3FrameSampling(), Drama3Engine.frame_criteria(model, defaults), graphs=True,
+                         compile_backend="eager", kept=KeptStates(model))
+    engine = Drama3Engine(model, runner=runner)
+    try:
+        with captured_experts(model):
+            before = stand_in.graphs_made()
+            greedy = engine.add_request(prompt, max_new_tokens=3, do_sample=False)
+            engine.run_until_idle()
+            sampled = engine.add_request(prompt, max_new_tokens=3, seed=0)
+            engine.run_until_idle()
+            warmed = stand_in.graphs_made() - before - stand_in.inside
+    finally:
+        torch._dynamo.reset()
+    assert [engine.get_result(key).error for key in (greedy, sampled)] == [None, None]
+    assert stand_in.captures >= 2  # the argmax-only step and the sampling one were captured
+    assert stand_in.inside == 0, f"{stand_in.inside} graph(s) compiled inside a capture"
+    assert warmed >= 2  # both variants compiled, in the warm-up
 
 
 def test_a_model_that_generated_can_be_deep_copied(model, prompt):

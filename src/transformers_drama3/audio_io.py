@@ -113,15 +113,38 @@ def check_audio_layout(shape: tuple[int, ...], where: str, batched: bool = False
                          "[samples, channels]; transpose it (audio.T) to [channels, samples]")
 
 
-def audio_file_header(path: str | os.PathLike, where: str):
+def audio_value(audio: Any, sampling_rate: int | None, where: str) -> tuple[Any, int | None]:
+    """Reference audio as the package reads it, `(audio, sampling_rate)`: a path, the bytes of an audio file, or
+    samples. A `datasets.Audio` value is taken as stored (`{"bytes", "path"}`: its bytes, else its path) or as
+    decoded by datasets 3 (`{"array", "sampling_rate"}`); anything else is returned as it is."""
+    if isinstance(audio, dict) and "array" in audio and "sampling_rate" in audio:
+        return audio["array"], audio["sampling_rate"]
+    if isinstance(audio, dict) and audio and set(audio) <= {"bytes", "path"}:
+        found = audio.get("bytes") if audio.get("bytes") is not None else audio.get("path")
+        if found is None:
+            raise ValueError(f"{where}: the audio value has neither bytes nor a path")
+        return found, sampling_rate
+    if type(audio).__name__ == "AudioDecoder":  # datasets >= 4 decodes audio columns with torchcodec
+        raise TypeError(f"{where}: a decoded datasets.Audio value; read the column as stored, "
+                        "dataset.cast_column(NAME, datasets.Audio(decode=False)), and it is decoded here with "
+                        "soundfile")
+    return audio, sampling_rate
+
+
+def audio_file_name(path: str | os.PathLike | bytes) -> str:
+    """How errors name an audio file: its path, or the size of a file given as bytes."""
+    return f"of {len(path)} bytes" if isinstance(path, bytes) else repr(str(path))
+
+
+def audio_file_header(path: str | os.PathLike | bytes, where: str):
     """soundfile's header info of an audio file (`frames`, `samplerate`, `channels`, ...), read without its samples;
-    clear errors for a missing, unreadable or non-audio file."""
-    if not Path(path).is_file():
+    clear errors for a missing, unreadable or non-audio file. `path` may be the file's bytes."""
+    if not isinstance(path, bytes) and not Path(path).is_file():
         raise FileNotFoundError(f"{where}: audio file {str(path)!r} does not exist")
     try:
-        return soundfile().info(str(path))
+        return soundfile().info(io.BytesIO(path) if isinstance(path, bytes) else str(path))
     except soundfile().LibsndfileError as error:
-        raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
+        raise ValueError(f"{where}: cannot read audio file {audio_file_name(path)}: {error}") from error
 
 
 def audio_file_info(path: str | os.PathLike, where: str) -> tuple[int, int]:
@@ -130,14 +153,15 @@ def audio_file_info(path: str | os.PathLike, where: str) -> tuple[int, int]:
     return info.frames, info.samplerate
 
 
-def read_audio_file(path: str | os.PathLike, where: str) -> tuple[np.ndarray, int]:
-    """Float32 mono samples `[L]` (channels averaged) and the sampling rate of an audio file."""
+def read_audio_file(path: str | os.PathLike | bytes, where: str) -> tuple[np.ndarray, int]:
+    """Float32 mono samples `[L]` (channels averaged) and the sampling rate of an audio file (or its bytes)."""
     try:
-        samples, rate = soundfile().read(str(path), dtype="float32", always_2d=True)  # [L, C]
+        samples, rate = soundfile().read(io.BytesIO(path) if isinstance(path, bytes) else str(path),
+                                         dtype="float32", always_2d=True)  # [L, C]
     except soundfile().LibsndfileError as error:  # a header that reads, over data that does not (a cut file)
-        raise ValueError(f"{where}: cannot read audio file {str(path)!r}: {error}") from error
+        raise ValueError(f"{where}: cannot read audio file {audio_file_name(path)}: {error}") from error
     if samples.shape[0] == 0:
-        raise ValueError(f"{where}: audio file {str(path)!r} holds no samples")
+        raise ValueError(f"{where}: audio file {audio_file_name(path)} holds no samples")
     return np.ascontiguousarray(samples.mean(axis=1), dtype=np.float32), rate
 
 
@@ -411,7 +435,8 @@ def resample_audio(audio: torch.Tensor, orig_rate: int, target_rate: int) -> tor
 
 __all__ = [
     "AUDIO_FILE_FORMATS", "ENCODER_RATES", "OGG_SERIAL", "WRITE_BLOCK", "AudioEncoder", "AudioFileWriter",
-    "audio_file_format", "audio_file_header", "audio_file_info", "check_sampling_rate", "file_sampling_rate", "ogg_crc",
+    "audio_file_format", "audio_file_header", "audio_file_info", "audio_file_name", "audio_value",
+    "check_sampling_rate", "file_sampling_rate", "ogg_crc",
     "read_audio_file", "resample_audio", "resample_stream", "set_ogg_serial", "streamed_wav_header",
     "write_atomically", "write_audio",
 ]

@@ -34,10 +34,19 @@ import sys
 from pathlib import Path
 
 from .chunking import MIN_CHUNK_BYTES
-from .cli_jobs import JobInput, add_job_arguments, check_job_usage, failed_message, is_job
+from .cli_jobs import (
+    ONE_ACCELERATE_PROCESS,
+    JobInput,
+    add_job_arguments,
+    check_job_usage,
+    failed_message,
+    is_job,
+    one_accelerate_process,
+)
 from .cli_output import STDOUT, STDOUT_FORMATS, ReaderGone, stdout_is_pipe, stdout_is_terminal, stream_to_outputs
 from .loading import (
     default_threads_wait_passively,
+    dtype_label,
     is_kernel_fallback,
     load_model,
     load_parallel_model,
@@ -116,7 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="under torchrun: split the backbone over the ranks by tensor parallelism or by whole experts "
                      "(default: expert); each rank uses GPU LOCAL_RANK, or the CPU")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                     help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU); the codec stays float32")
+                     help="weights dtype (default: bfloat16 on a GPU; on the CPU the CPU path: bfloat16 or float16 weights "
+                          "over float32, see DRAMA3_CPU_PATH; float32 for the exact reference); the codec stays float32")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     run.add_argument("--summary", action="store_true", help="load the checkpoint, print a model summary and exit")
     return parser
@@ -396,8 +406,12 @@ def _run_job(args: argparse.Namespace, flags: dict, notes: _Notes, device, dtype
     from .jobs import plan_job, run_job
     from .processing_drama3 import Drama3Processor
 
+    if one_accelerate_process():
+        notes.say(f"note: {ONE_ACCELERATE_PROCESS}")
     job = JobInput(args, flags)
-    items = _on_main_process(job.read)  # before any download
+    items, problems = _on_main_process(job.read)  # before any download
+    if problems:
+        _on_main_process(_refuse_rows, args, items, problems, job.name)
     path = _checkpoint(args)
     processor = _loaded(Drama3Processor.from_pretrained, path)
     copies = 1
@@ -420,6 +434,21 @@ def _run_job(args: argparse.Namespace, flags: dict, notes: _Notes, device, dtype
     if summary.failed:
         raise CommandError(failed_message(summary))
     return 0
+
+
+def _refuse_rows(args: argparse.Namespace, items: list, problems: list[str], what: str) -> None:
+    """Raise the problems of a job's input (`what`) in one message: those of the lines or rows that made no item,
+    and the text checks of the others (`read_items`), for which the processor's files alone are fetched, not the
+    model. Without a processor (a checkpoint not found), the rows' problems alone."""
+    from .jobs import read_items
+    from .jobs_items import problems_error
+    from .processing_drama3 import Drama3Processor
+
+    try:
+        processor = Drama3Processor.from_pretrained(args.model or _checkpoint(args))
+    except (OSError, ValueError):
+        raise problems_error(problems, what) from None
+    read_items(items, range(len(items)), processor, args.chunk_bytes, problems, what)
 
 
 def _read_inputs(args: argparse.Namespace) -> tuple[str | None, list]:
@@ -460,7 +489,7 @@ def _checkpoint(args: argparse.Namespace) -> str:
 
 
 def _load(args, notes: _Notes, path, device, dtype):
-    name, dtype_name = args.model or "the tiny checkpoint", str(dtype).removeprefix("torch.")
+    name, dtype_name = args.model or "the tiny checkpoint", dtype_label(dtype)
     if under_torchrun():
         from . import parallel
 

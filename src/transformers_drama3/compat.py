@@ -5,9 +5,13 @@ fits it; when the oldest supported version has the newer behaviour, the shim and
 The detections import what they inspect when first asked (and remember the answer), so that importing this module
 (the configuration does) stays as light as importing a transformers config.
 
-Shims (transformers 5.17 -> newer, measured on 5.24):
+Shims (transformers 5.17 -> newer, measured on 5.24 and 5.25):
 
 - `backbone_cache_argument`: the backbone's cache keyword, `past_key_values` -> `cache`.
+- `cached_rows`: `Cache.get_seq_length()` reads the attention layers as a Python int -> it reads layer 0, which in
+  Qwen3.5 is a linear-attention layer counting on the device (a tensor: slicing with it reads the device back).
+- `tensor_plan_splits_experts`: the backbone's tensor-parallel plan splits the routed experts along their
+  intermediate size -> it keeps them whole (transformers splits routed experts by expert parallelism only, from 5.2x).
 - `sub_configs_declaration`: a composite config declares its sub-configs in `sub_configs` -> `sub_configs_defaults`
   (from 5.20).
 - `dequantised_weights_keep_checkpoint_dtype`, `cast_dequantised_weights`: a dequantising FP8 load keeps renamed
@@ -40,6 +44,20 @@ from transformers import PreTrainedConfig
 # --------------------------------------------------------------------------------------------------------------
 # Modeling
 # --------------------------------------------------------------------------------------------------------------
+
+def cached_rows(cache) -> int:
+    """Rows a backbone cache holds, as a Python int read off its first attention layer's keys (0 when empty).
+
+    Not `cache.get_seq_length()`: that reads layer 0, and a Qwen3.5 backbone starts with linear-attention layers,
+    whose row count is a device tensor on newer transformers (using it as a slice bound or a Python int is a host
+    read, which a CUDA graph capture refuses). A dynamic layer's key length is a shape, so this reads nothing back.
+    """
+    for layer in cache.layers:
+        keys = getattr(layer, "keys", None)
+        if isinstance(keys, torch.Tensor) and keys.dim() == 4:  # [B, KV heads, rows, head dim]
+            return int(layer.get_seq_length())
+    return 0
+
 
 @functools.cache
 def backbone_cache_argument() -> str:
@@ -190,6 +208,13 @@ def drop_generation_values_copied_into_config(config: Any, generation_config: An
             delattr(config, key)
 
 
+def tensor_plan_splits_experts(text_config) -> bool:
+    """Whether the backbone's tensor-parallel plan splits the routed experts along their intermediate size (5.17 to
+    5.24: `experts.gate_up_proj` packed_colwise, `experts.down_proj` rowwise). Newer versions keep them whole in the
+    tensor plan and split routed experts by expert parallelism only (its `ep_plan`)."""
+    return any(".experts." in key for key in text_config.base_model_tp_plan)
+
+
 def expert_parallel_by_size() -> bool:
     """Whether `DistributedConfig` takes the number of expert-parallel ranks (`ep_size`, newer versions); transformers
     5.17 turns expert parallelism on with `enable_expert_parallel=True` instead (`ep_size` is a TypeError there)."""
@@ -228,6 +253,7 @@ __all__ = [
     "activation_checkpointing_names",
     "generation_defaults",
     "backbone_cache_argument",
+    "cached_rows",
     "cast_dequantised_weights",
     "checkpointing_training_arguments",
     "dequantised_weights_keep_checkpoint_dtype",
@@ -241,4 +267,5 @@ __all__ = [
     "quantizers_split_scales_with_their_weights",
     "scale_rules",
     "sub_configs_declaration",
+    "tensor_plan_splits_experts",
 ]

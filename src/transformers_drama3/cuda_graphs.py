@@ -10,12 +10,21 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+from types import SimpleNamespace
+
 import torch
+
+from .generation_settings import DRAMA3_GENERATION_DEFAULTS
+from .sampling import SAMPLING_SETTINGS
 
 CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before a state's first capture (lazy inits, workspaces)
 # The routed experts inside a captured step: static shapes and no host reads (the eager loop reads the routing on
 # the host, and grouped_mm's fallback, used where torch's grouped GEMM is not, reads its offsets there).
 CAPTURED_EXPERTS = "batched_mm"
+FREE_SLOT = SimpleNamespace(do_sample=False)  # the settings of a free slot (greedy: no sampling work)
+# Settings that make every row sample: the warm-up's run of the sampling variant (Drama 3's defaults).
+WARM_UP_SAMPLING = SimpleNamespace(**{name: DRAMA3_GENERATION_DEFAULTS[name] for name in SAMPLING_SETTINGS},
+                                   do_sample=True)
 
 
 @contextlib.contextmanager
@@ -38,15 +47,22 @@ class StepGraphs:
     def __init__(self):
         self.pool = None
 
-    def warm_up(self, model, step: Callable[[], None], device: torch.device) -> None:
-        """Run a few eager steps of a new state on a side stream (lazy initialisations, workspaces) before its first
-        capture. They overwrite the state: do it before any sequence is in it."""
+    def warm_up(self, model, state, step: Callable[[], None], device: torch.device) -> None:
+        """Run each variant of a new state's step that a capture can record (`FrameSampler.key`: the argmax-only step,
+        then the sampling one) a few times, eagerly, on a side stream, before its first capture: lazy
+        initialisations, workspaces and, for a compiled step, the compilation of each variant happen here, never
+        inside a capture. They overwrite the state: do it before any sequence is in it (its rows are greedy after)."""
+        sampler = state.sampler
         with captured_experts(model):
             side = torch.cuda.Stream(device=device)
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
-                for _ in range(CAPTURE_WARMUP_STEPS):
-                    step()
+                for settings in (FREE_SLOT, WARM_UP_SAMPLING):
+                    sampler.set_rows(slice(None), settings)
+                    state.noise.fill_(0.5)  # any uniform in (0, 1) will do; the stream of no request is used
+                    for _ in range(CAPTURE_WARMUP_STEPS):
+                        step()
+                sampler.set_rows(slice(None), FREE_SLOT)
             torch.cuda.current_stream(device).wait_stream(side)
 
     def capture(self, model, step: Callable[[], None], device: torch.device) -> torch.cuda.CUDAGraph:
@@ -63,4 +79,4 @@ class StepGraphs:
         return graph
 
 
-__all__ = ["CAPTURED_EXPERTS", "StepGraphs", "captured_experts"]
+__all__ = ["CAPTURED_EXPERTS", "FREE_SLOT", "StepGraphs", "captured_experts"]

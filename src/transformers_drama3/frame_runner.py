@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from types import SimpleNamespace
 
 import torch
 from transformers import StoppingCriteriaList
 from transformers.utils import logging
 
-from .cuda_graphs import StepGraphs
+from .cuda_graphs import FREE_SLOT, StepGraphs
 from .frame_rules import Drama3FrameSampling
 from .frame_step import FrameState, attention_window, row_limit
 from .settings_checks import SEED_RANGE, is_integer
 
 logger = logging.get_logger(__name__)
 
-GREEDY = SimpleNamespace(do_sample=False)  # the settings of a free slot
 
 
 class KeptStates:
@@ -165,7 +163,7 @@ class FrameRunner:
             self.builds += 1
             if self.graphs:  # a new state's warm-up steps overwrite it: before any sequence is in it
                 function = self._function(state)
-                self.kept.graphs.warm_up(self.model, lambda: function(state.capacity), state.hidden.device)
+                self.kept.graphs.warm_up(self.model, state, lambda: function(state.capacity), state.hidden.device)
         return state
 
     def _let_go(self, state: FrameState | None) -> None:
@@ -255,7 +253,7 @@ class FrameRunner:
         if index is None:
             return
         self.state.ended[index] = True
-        self.state.sampler.set_rows(index, GREEDY)  # a free slot costs no sampling work
+        self.state.sampler.set_rows(index, FREE_SLOT)  # a free slot costs no sampling work
         for slot in index.tolist():
             self.keys[slot], self.generators[slot] = None, None
         self.layout += 1

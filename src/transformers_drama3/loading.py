@@ -61,9 +61,10 @@ def check_device(device: str) -> None:
 
 
 def resolve_device_and_dtype(device: str, dtype: str):
-    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype), the device checked (`check_device`):
-    cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator, float32 on the
-    CPU."""
+    """`--device` / `--dtype` values ("auto" or a name) -> (device, torch dtype or None), the device checked
+    (`check_device`): cuda if available (under torchrun GPU `LOCAL_RANK`), else the CPU; bfloat16 on an accelerator,
+    and on the CPU None: the CPU path this CPU offers (cpu_path.py; `DRAMA3_CPU_PATH` chooses another), which
+    `load_model` takes when it gets no dtype."""
     import torch
 
     if device == "auto" and under_torchrun():
@@ -72,8 +73,17 @@ def resolve_device_and_dtype(device: str, dtype: str):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     check_device(device)
     if dtype == "auto":
-        dtype = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+        return device, None if torch.device(device).type == "cpu" else torch.bfloat16
     return device, getattr(torch, dtype)
+
+
+def dtype_label(dtype) -> str:
+    """How a command names the weights it loads: the dtype, or the CPU path that a load without one takes."""
+    if dtype is not None:
+        return str(dtype).removeprefix("torch.")
+    from .cpu_path import resolve_cpu_path
+
+    return f"the {resolve_cpu_path()} CPU path"
 
 
 def default_dtype(kwargs: dict) -> None:
@@ -99,7 +109,8 @@ def load_model(path: str, device: str, dtype):
     from .modeling_drama3 import FishOmniForSpeech
 
     if torch.device(device).type == "cpu":
-        return FishOmniForSpeech.from_pretrained(path, dtype=dtype).eval()
+        weights = {} if dtype is None else {"dtype": dtype}  # none: the CPU path (`resolve_device_and_dtype`)
+        return FishOmniForSpeech.from_pretrained(path, **weights).eval()
     return FishOmniForSpeech.from_pretrained(path, dtype=dtype, device_map=device).eval()
 
 

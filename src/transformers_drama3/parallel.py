@@ -1,9 +1,9 @@
 """Tensor and expert parallelism for Drama 3 under `torchrun`, through transformers' own plans (docs/hardware.md).
 
 The backbone is transformers' `Qwen3_5MoeTextModel`, a direct child of `FishOmniForSpeech`, so its tensor-parallel
-plan (`base_model_tp_plan`: attention heads, shared expert, routed experts split along their intermediate size,
-linear-attention projections with gathered outputs, on newer versions the input embedding) and its expert-parallel
-plan (`base_model_ep_plan`: whole routed experts per rank) apply under `backbone.` when `from_pretrained` gets a
+plan (`base_model_tp_plan`: attention heads, shared expert, routed experts split along their intermediate size up
+to transformers 5.24, linear-attention projections with gathered outputs, from 5.24 the input embedding) and its
+expert-parallel plan (`base_model_ep_plan`: whole routed experts per rank) apply under `backbone.` when `from_pretrained` gets a
 `DistributedConfig`. `lm_head`, the codebook tower and the codec stay whole on every rank: every rank then computes
 the same frames with no extra collective, the tower's many small steps per frame pay no communication, and together
 they are 2.1 B parameters (lm_head 0.51 B and tower 1.22 B in bf16, codec 0.41 B in float32: 5.1 GB per rank).
@@ -123,7 +123,8 @@ def run_on_main_process(function, *args, **kwargs):
 def distributed_config(expert_parallel: bool = False, size: int | None = None) -> DistributedConfig:
     """The `DistributedConfig` that splits Drama 3 over `size` ranks (default: the `torchrun` world size).
 
-    `expert_parallel=False`: tensor parallelism (every routed expert split along its intermediate size).
+    `expert_parallel=False`: tensor parallelism (every routed expert split along its intermediate size on
+    transformers up to 5.24; newer versions keep routed experts whole in their tensor plan: use expert parallelism).
     `expert_parallel=True`: each rank holds `num_experts / size` whole experts; on transformers 5.17 the dense
     layers then stay whole on every rank, on newer versions they are split as in tensor parallelism.
     Pass it as `FishOmniForSpeech.from_pretrained(path, distributed_config=...)`.
@@ -253,8 +254,9 @@ class ParallelRequest:
                 f"expert parallelism over {size} ranks needs a number of routed experts divisible by {size}, but "
                 f"the model has {text.num_experts}: use a world size that divides it, or tensor parallelism"
             )
+        experts_cut = not self.expert_parallel and compat.tensor_plan_splits_experts(text)  # rows of every expert
         splits = {"shared_expert_intermediate_size": text.shared_expert_intermediate_size}
-        if not self.expert_parallel:
+        if experts_cut:
             splits["moe_intermediate_size"] = text.moe_intermediate_size
         if self.expert_parallel and not compat.expert_parallel_by_size():
             splits = {}  # transformers 5.17: the expert plan alone, dense layers whole
@@ -265,7 +267,7 @@ class ParallelRequest:
                     f"tensor parallelism over {size} ranks splits text_config.{name} = {value}, which {size} does not "
                     f"divide: use a world size that divides it{alternative}"
                 )
-        if not self.expert_parallel and checkpoint_quant_method(config) == BSGEMM_MOE:
+        if experts_cut and checkpoint_quant_method(config) == BSGEMM_MOE:
             share = text.moe_intermediate_size // size
             if share % FP8_BLOCK:
                 raise Drama3ParallelError(
@@ -288,6 +290,12 @@ class ParallelRequest:
         """Check the model's sizes (`check`) and return `{"distributed_config": ...}` for transformers' loader."""
         self.check(config)
         text = config.text_config
+        if not self.expert_parallel and not compat.tensor_plan_splits_experts(text) and is_main_process():
+            logger.warning(
+                "this transformers version's tensor-parallel plan keeps the routed experts (89 % of the weights) whole "
+                "on every rank; to split them, use expert parallelism (`transformers_drama3.parallel."
+                "distributed_config(expert_parallel=True)`, `--parallel expert` in drama3-tts)"
+            )
         dense_split = not (self.expert_parallel and not compat.expert_parallel_by_size())  # 5.17's expert plan: dense whole
         plan = self.tp_plan or "auto"
         if dense_split and not attention_is_split(text, self.size):

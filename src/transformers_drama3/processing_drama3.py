@@ -31,7 +31,15 @@ from transformers import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 from transformers.utils import logging
 
-from .audio_io import audio_file_header, check_audio_layout, check_sampling_rate, read_audio_file, write_audio
+from .audio_io import (
+    audio_file_header,
+    audio_file_name,
+    audio_value,
+    check_audio_layout,
+    check_sampling_rate,
+    read_audio_file,
+    write_audio,
+)
 from .chunking import split_text
 from .codes import check_codes
 from .frame_rows import left_pad_rows  # noqa: F401  (its home is frame_rows.py; imported from here before)
@@ -449,8 +457,9 @@ class Drama3Processor(ProcessorMixin):
     def encode_audio(self, audio: Any, sampling_rate: int | None = None, where: str = "audio") -> torch.Tensor:
         """Reference audio -> codes `[num_codebooks, frames]` through the processor's `codec.encode`.
 
-        `audio` is a file path (read with soundfile) or a float array / tensor `[samples]` or `[channels, samples]`
-        with `sampling_rate`. Channels are averaged to mono here and the codec resamples to its 44.1 kHz; a warning
+        `audio` is a file path or an audio file's bytes (read with soundfile), a `datasets.Audio` value
+        (`audio_io.audio_value`), or a float array / tensor `[samples]` or `[channels, samples]` with
+        `sampling_rate`. Channels are averaged to mono here and the codec resamples to its 44.1 kHz; a warning
         says so when that happens to a recording with several channels or a lower rate.
         """
         if self.codec is None:
@@ -468,7 +477,8 @@ class Drama3Processor(ProcessorMixin):
     def check_audio(self, audio: Any, sampling_rate: int | None = None, where: str = "audio") -> None:
         """Raise a clear error for reference audio that cannot be encoded (see `check_reference`); a file's samples
         are not read, only its header."""
-        if isinstance(audio, (str, os.PathLike)):
+        audio, sampling_rate = audio_value(audio, sampling_rate, where)
+        if isinstance(audio, (str, os.PathLike, bytes)):
             info = audio_file_header(audio, where)
             if sampling_rate is not None and sampling_rate != info.samplerate:
                 raise ValueError(
@@ -476,7 +486,7 @@ class Drama3Processor(ProcessorMixin):
                     "leave it out"
                 )
             if info.frames == 0:
-                raise ValueError(f"{where}: audio file {str(audio)!r} holds no samples")
+                raise ValueError(f"{where}: audio file {audio_file_name(audio)} holds no samples")
             self._check_duration(info.frames, info.samplerate, where)
             return
         if sampling_rate is None:
@@ -492,7 +502,8 @@ class Drama3Processor(ProcessorMixin):
 
     def _mono_audio(self, audio: Any, sampling_rate: int | None, where: str) -> tuple[np.ndarray, int, int]:
         """Float32 mono samples `[L]` of checked audio, their rate, and the number of channels they were mixed from."""
-        if isinstance(audio, (str, os.PathLike)):
+        audio, sampling_rate = audio_value(audio, sampling_rate, where)
+        if isinstance(audio, (str, os.PathLike, bytes)):
             channels = audio_file_header(audio, where).channels
             samples, sampling_rate = read_audio_file(audio, where)
             return samples, sampling_rate, channels

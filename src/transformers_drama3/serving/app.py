@@ -9,6 +9,7 @@
     WS   /v1/audio/speech/stream  text in as it is written, speech out sentence by sentence (text_stream.py)
     GET  /health            200 when the model is loaded, 503 while it loads or drains (never needs the API key)
     GET  /metrics           Prometheus metrics (metrics.py)
+    GET  /docs              the API in Swagger UI, whose files the server serves itself (it works offline)
 
 The model loads in the background after the server starts, so `/health` answers during a long load. Every request
 is checked completely (key, size, fields, text, voice, references, settings) before it is queued; errors are
@@ -29,13 +30,14 @@ from dataclasses import dataclass
 import torch
 from fastapi import FastAPI, Request, WebSocket
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from ..audio_io import AudioEncoder
 from ..generation_drama3 import generation_settings
-from ..loading import load_model, resolve_device_and_dtype
+from ..loading import dtype_label, load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
-from ..settings_checks import SettingError
+from ..settings_checks import COUNTS, SettingError, is_integer
 from .audio_encoding import ResponseFormat, check_response_format, response_encoder
 from .errors import APIError, body_too_large, install_error_handlers
 from .metrics import PROMETHEUS_TEXT, CountRequests, ServerMetrics
@@ -74,7 +76,7 @@ class SpeechService:
     @classmethod
     def load(cls, settings: ServerSettings) -> SpeechService:
         device, dtype = resolve_device_and_dtype(settings.device, settings.dtype)
-        logger.info("loading %s on %s (%s)", settings.model, device, str(dtype).removeprefix("torch."))
+        logger.info("loading %s on %s (%s)", settings.model, device, dtype_label(dtype))
         model = load_model(settings.model, device, dtype)
         processor = Drama3Processor.from_pretrained(settings.model, codec=model.codec)
         processor.max_reference_seconds = settings.max_reference_seconds
@@ -115,7 +117,9 @@ def create_app(settings: ServerSettings, on_load_failure=None) -> FastAPI:
         if service is not None:
             await asyncio.to_thread(service.worker.shutdown)
 
-    app = FastAPI(title="Drama 3 speech server", lifespan=lifespan)
+    # /docs is Swagger UI from fastapi-offline's copy of its files (FastAPI's own page loads them from a CDN, which is
+    # a blank page offline); no ReDoc.
+    app = FastAPIOffline(title="Drama 3 speech server", lifespan=lifespan, redoc_url=None)
     install_error_handlers(app, settings.max_body_bytes)
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
     app.state.service, app.state.load_error = None, None  # the SpeechService once loaded; why loading failed
@@ -340,9 +344,7 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     if body.model not in (settings.model_name, settings.model, *OPENAI_SPEECH_MODELS):
         raise APIError(404, f"the model {body.model!r} does not exist; this server speaks with "
                        f"{settings.model_name!r} (GET /v1/models)", "model", "model_not_found")
-    if len(body.input) > settings.max_text_chars:
-        raise APIError(413, f"input has {len(body.input)} characters; this server takes at most "
-                       f"{settings.max_text_chars} (--max-text-chars)", "input", "input_too_long")
+    texts = split_input(body.input, service, settings)
     if body.speed != 1.0:
         raise APIError(400, f"speed {body.speed} is not supported: Drama 3 speaks at its own pace; send 1.0 or leave "
                        "it out", "speed", "unsupported_value")
@@ -353,7 +355,6 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
         raise APIError(400, f"repetition_penalty {body.repetition_penalty} is not supported: Drama 3 samples without "
                        "penalties; send 1.0 or leave it out", "repetition_penalty", "unsupported_value")
     sampling, max_new_tokens = sampling_settings(body, service, settings)
-    texts = checked(lambda: service.processor.split_text(body.input, max_bytes=settings.chunk_bytes), "input")
     references = []
     voice = voices.get(voice_name(body.voice_name, settings.voice_aliases, voices))
     if voice is not None:
@@ -367,6 +368,15 @@ def make_job(body: SpeechRequest, service: SpeechService, settings: ServerSettin
     return SpeechJob(request_id=f"speech-{uuid.uuid4().hex[:16]}", texts=texts, references=references,
                      sampling=sampling, max_new_tokens=max_new_tokens, seed=seed, text_length=len(body.input),
                      loop=loop)
+
+
+def split_input(text: str, service: SpeechService, settings: ServerSettings) -> list[str]:
+    """The chunks a request's `input` is spoken in, or the APIError that says why the server refuses it (longer than
+    --max-text-chars, a control token, a bad speaker tag, ...); the playground's preview runs it as it is typed."""
+    if len(text) > settings.max_text_chars:
+        raise APIError(413, f"input has {len(text)} characters; this server takes at most "
+                       f"{settings.max_text_chars} (--max-text-chars)", "input", "input_too_long")
+    return checked(lambda: service.processor.split_text(text, max_bytes=settings.chunk_bytes), "input")
 
 
 def voice_name(name: str, aliases: dict[str, str], voices: VoiceLibrary) -> str:
@@ -387,9 +397,10 @@ def sampling_settings(body: SpeechRequest, service: SpeechService, settings: Ser
     if requested.get("temperature") == 0:
         requested.pop("temperature")
         requested["do_sample"] = False
-    if requested.get("max_new_tokens", 0) > settings.max_frames:
-        raise APIError(400, f"max_new_tokens must be <= {settings.max_frames} (the server's --max-frames), got "
-                       f"{requested['max_new_tokens']}", "max_new_tokens", "invalid_value")
+    frames = requested.get("max_new_tokens")
+    if is_integer(frames) and not COUNTS["max_new_tokens"] <= frames <= settings.max_frames:
+        raise APIError(400, f"max_new_tokens must be an integer in [{COUNTS['max_new_tokens']}, {settings.max_frames}] "
+                       f"(the server's --max-frames), got {frames}", "max_new_tokens", "invalid_value")
     try:
         checked_settings = generation_settings(service.model.generation_config, **requested)
     except (TypeError, ValueError) as error:
@@ -556,4 +567,4 @@ class RequestGuard:
 
 
 __all__ = ["MORE_SAMPLING", "RequestGuard", "SpeechService", "create_app", "drained", "enrol_recording", "make_job", "ready_service",
-           "start_draining"]
+           "split_input", "start_draining"]

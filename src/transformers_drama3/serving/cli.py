@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--device", default=DEFAULTS.device, help='"cpu", "cuda", "cuda:1", ... (default: cuda if '
                      "available)")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default=DEFAULTS.dtype,
-                     help="weights dtype (default: bfloat16 on a GPU, float32 on the CPU)")
+                     help="weights dtype (default: bfloat16 on a GPU, the CPU path on a CPU: DRAMA3_CPU_PATH)")
     run.add_argument("--fast-decode", action="store_true",
                      help="replay the frame step as a CUDA graph on a GPU (docs/usage.md)")
     run.add_argument("--compile-step", nargs="?", const=True, default=False, metavar="BACKEND",

@@ -224,18 +224,17 @@ class AudioFileWriter:
         self.file, self.ogg = file, file_format == "OGG" and ogg_serial
         self.resampler = None if rate == sampling_rate else resample_stream(sampling_rate, rate, channels)
         self.pending = np.zeros((0,) if channels == 1 else (0, channels), dtype=np.float32)  # < WRITE_BLOCK samples
-        sound = None
-        try:
+        self.sound_settings = dict(samplerate=rate, channels=channels, subtype=subtype, format=file_format,
+                                   endian="LITTLE" if file_format == "RAW" else "FILE")
+        self.sound = None  # the SoundFile, opened on first use (`opened`)
+
+    def opened(self):
+        """The SoundFile, opened on first use (inside the caller's `with`): it is the writer's from the moment it
+        exists, so `release` is the one place that closes it, whatever a Ctrl-C interrupts."""
+        if self.sound is None:
             with interrupts_held():
-                sound = soundfile().SoundFile(file, "w", rate, channels, subtype, format=file_format,
-                                              endian="LITTLE" if file_format == "RAW" else "FILE")
-        except BaseException:  # Ctrl-C, raised once it was open: close and free it now (see `release`)
-            with interrupts_held():
-                if sound is not None:
-                    sound.close()
-                sound = None
-            raise
-        self.sound = sound
+                self.sound = soundfile().SoundFile(self.file, "w", **self.sound_settings)
+        return self.sound
 
     def write(self, samples: np.ndarray, last: bool = False) -> None:
         samples = np.asarray(samples, dtype=np.float32)
@@ -245,10 +244,10 @@ class AudioFileWriter:
         whole = len(samples) - len(samples) % WRITE_BLOCK
         for start in range(0, whole, WRITE_BLOCK):
             with interrupts_held():
-                self.sound.write(samples[start : start + WRITE_BLOCK])
+                self.opened().write(samples[start : start + WRITE_BLOCK])
         self.pending = samples[whole:]
         with interrupts_held():
-            self.sound.flush()  # a reader of the growing file (a player) gets what was written so far
+            self.opened().flush()  # a reader of the growing file (a player) gets what was written so far
 
     def close(self) -> None:
         try:
@@ -256,19 +255,23 @@ class AudioFileWriter:
                 self.write(np.zeros((0,) + self.pending.shape[1:], dtype=np.float32), last=True)
             if len(self.pending):
                 with interrupts_held():
-                    self.sound.write(self.pending)
+                    self.opened().write(self.pending)
+            self.opened()  # a file of no samples still gets its header
         finally:
             self.release()
         if self.ogg:
             set_ogg_serial(self.file, OGG_SERIAL)
 
     def release(self) -> None:
-        """Close the SoundFile and free it, with Ctrl-C held. Freed later by the garbage collector (an interrupt's
-        traceback keeps frames alive), its `__del__` would run at any moment, and a Ctrl-C landing in it is ignored
-        by Python, or its close would write through cffi into a file that is closed by then."""
-        with interrupts_held():
+        """Close the SoundFile, with Ctrl-C held. Left to the garbage collector (an interrupt's traceback keeps frames
+        alive), its `__del__` would close it at any moment, writing through cffi into a file that is closed by then."""
+        if self.sound is None:
+            return
+        try:
+            with interrupts_held():
+                self.sound.close()
+        finally:  # a Ctrl-C raised as the hold began, before the close: close it now (a second close does nothing)
             self.sound.close()
-            self.sound = None
 
     def __enter__(self) -> AudioFileWriter:
         return self

@@ -64,7 +64,7 @@ def main() -> None:
     parser.add_argument("--host", default=os.environ.get("DRAMA3_HOST", "0.0.0.0" if on_space else "127.0.0.1"),
                         help="address to listen on (default: $DRAMA3_HOST, else 0.0.0.0 on a Space and 127.0.0.1, "
                         "this machine only, elsewhere)")
-    parser.add_argument("--port", type=int, default=int(os.environ.get("DRAMA3_PORT", SPACE_PORT)),
+    parser.add_argument("--port", type=int, default=os.environ.get("DRAMA3_PORT", str(SPACE_PORT)),  # checked by type
                         help=f"port (default: $DRAMA3_PORT, else {SPACE_PORT}, a Space's)")
     parser.add_argument("--api-key", default=os.environ.get("DRAMA3_API_KEY"),
                         help="require the key on /v1 and /metrics, and as the page's password (default: "

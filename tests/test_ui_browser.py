@@ -235,6 +235,15 @@ class Page:
         shown = self.driver.find_element(By.TAG_NAME, "body").text[:2000]
         raise AssertionError(f"waited {timeout} s for {what}; the page says: {shown}")
 
+    def stays(self, elem_id: str, text: str, seconds: float) -> bool:
+        """Whether element `elem_id` still says `text` all through the next `seconds` (for what must not change)."""
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if self.text(elem_id) != text:
+                return False
+            time.sleep(0.1)
+        return True
+
     def take(self, number: int) -> str:
         """Wait for take `number` and return its line (time to first audio, real-time factor)."""
         return self.wait(lambda: (line := self.text("take-info")).startswith(f"Take #{number}:") and line,
@@ -393,8 +402,12 @@ def test_the_same_seed_gives_the_bytes_of_the_same_request_over_http(browser, se
     assert page_wav[:4] == b"RIFF" and page_wav == http_wav
     browser.fill("seed", 1235)  # another seed, another take
     browser.click("speak")
-    browser.take(2)
+    line = browser.take(2)
     assert browser.download(downloads, "wav", number=2) != http_wav
+    # Stop with no take running changes nothing: the last take's line stays (it said "Stopped" within a second).
+    browser.wait(lambda: browser.element("speak").is_enabled(), "Speak enabled after the take")
+    browser.click("stop")
+    assert browser.stays("take-info", line, seconds=5), browser.text("take-info")
 
 
 def test_stop_cancels_the_request_on_the_server(browser, server):
@@ -556,9 +569,11 @@ def test_a_page_left_open_recovers_after_the_server_restarts(browser, server, tm
     # folder of its own in the temporary directory).
     left = [*server.tmp.glob("drama3-takes-*"), *(path for path in server.tmp.glob("gradio/**/*") if path.is_file())]
     assert left == []
-    # While it is down the status line says so, rather than showing its last figures.
+    # While it is down the status line says so, rather than showing its last figures, and Gradio's own "Connection
+    # Lost" error does not show beside it.
     browser.wait(lambda: "does not answer" in browser.text("server") and not browser.element("status").is_displayed(),
                  "the status line to say the server is down")
+    assert browser.overlays() == []
     browser.screenshot(tmp_path / "server-down.png")
     server.start()
     # Gradio's page sees its server back and reloads itself, and what was typed comes back from the browser's

@@ -83,7 +83,7 @@ CSS = """
 .drama3-error input, .drama3-error textarea { border-color: var(--error-border-color, #dc2626) !important; }
 #server-line:empty { display: none; }
 #server-line { color: var(--color-red-600, #dc2626); font-weight: 600; }
-body.drama3-unreachable #status { display: none; }
+body.drama3-unreachable #status, body.drama3-unreachable .toast-wrap { display: none; }
 #speak.drama3-busy { opacity: 0.6; cursor: progress; }
 """
 MARK = "⚠️ "  # before a message beside its field
@@ -132,6 +132,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                 gr.HTML('<div id="live-line"></div>', elem_id="live", js_on_load=page_js(STATUS_SECONDS))
                 page_key = gr.Textbox(visible=False)  # the live route's key, filled when the page loads
                 live_token = gr.Textbox(visible=False)  # the take's token, drawn by PLAYER_JS
+                was_running = gr.Checkbox(visible=False)  # STOP_JS: whether Stop ended a take
                 player = gr.Audio(label="Speech (the take, once complete)", interactive=False, elem_id="player")
                 take_info = gr.Markdown(elem_id="take-info")
             with gr.Column(scale=2):
@@ -348,8 +349,9 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             yield {**marks(None, fields), take_info: take.summary(), history: kept, player: str(take.files["wav"]),
                    takes: gr.update(choices=[t.label for t in reversed(kept)], value=take.label)}
 
-        def stopped() -> str:
-            return "Stopped: the server cancelled the request."
+        def stopped(running: bool = True):
+            """The take's line after Stop (STOP_JS says whether a take was running: if not, the line stays)."""
+            return "Stopped: the server cancelled the request." if running else gr.update()
 
         hidden = {"api_visibility": "undocumented"}  # the page's own calls: no API of the server
         page.load(restore, typed, [text, voice, *setting_inputs], **hidden).then(show_preview, text, preview, **hidden)
@@ -376,7 +378,7 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
             speak_take, [live_token, history], [player, take_info, history, takes, preview, voice, *setting_inputs],
             concurrency_limit=None, show_progress="hidden", **hidden)  # the page's own line says how far it got
         speaking.then(None, js=SPEAK_DONE_JS)
-        stop.click(stopped, outputs=take_info, cancels=[speaking], js=STOP_JS, **hidden)
+        stop.click(stopped, was_running, take_info, cancels=[speaking], js=STOP_JS, show_progress="hidden", **hidden)
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python],
                      **hidden)
         reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs, takes], **hidden)

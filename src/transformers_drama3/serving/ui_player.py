@@ -41,7 +41,7 @@ PLAYER_JS = r"""
 async (...inputs) => {
   const names = SETTINGS_NAMES;
   const player = window.drama3Player ??= {
-    controller: null, sources: [],
+    controller: null, sources: [], running: false,
     stop() {
       this.controller?.abort();
       this.sources.forEach(source => source.stop());
@@ -55,6 +55,7 @@ async (...inputs) => {
       if (line) line.textContent = text;
     },
     busy(running) {  // Speak is disabled while a take runs
+      this.running = running;
       const speak = document.querySelector('#speak');
       if (!speak) return;
       speak.disabled = running;
@@ -141,7 +142,10 @@ async (...inputs) => {
 }
 """
 
-STOP_JS = "() => { window.drama3Player?.stop(); }"
+# Stop's click: the take ends in the browser at once; the page's stop function is told whether one was running (a
+# Stop with no take running changes nothing on the page).
+STOP_JS = ("() => { const running = Boolean(window.drama3Player?.running); window.drama3Player?.stop(); "
+           "return [running]; }")
 SPEAK_DONE_JS = "() => { window.drama3Player?.busy(false); }"  # after the page's speak function, whatever its end
 
 # Run once the page has loaded (the live line's `js_on_load`). It makes the page's one AudioContext now: making it
@@ -150,7 +154,8 @@ SPEAK_DONE_JS = "() => { window.drama3Player?.busy(false); }"  # after the page'
 # each click on Speak, taken by the browser when the click happened: Gradio runs PLAYER_JS some 10 ms after the click,
 # and the time to first audio the page shows runs from the click itself. And it asks the server's `/health` every
 # STATUS_MS: while no answer comes, the server line says so in place of the status line (whose figures would be the
-# last ones read), until the server answers again.
+# last ones read), and in place of Gradio's own "Connection Lost" error (ui.py's CSS hides Gradio's messages while
+# the server does not answer; the page asks at once when one appears), until the server answers again.
 PAGE_JS = """
 if (!window.drama3Audio) {
   window.drama3Audio = new AudioContext();
@@ -159,20 +164,31 @@ if (!window.drama3Audio) {
     if (event.target.closest?.('#speak')) window.drama3Clicked = event.timeStamp;
   }, true);
   const health = new URL('../health', (window.gradio_config?.root || location.href).replace(/\\/*$/, '/'));
-  const watch = async () => {
+  let asking = false;
+  const check = async () => {
+    if (asking) return;
+    asking = true;
     let answered = true;
     try {
       await fetch(health, {cache: 'no-store', signal: AbortSignal.timeout(STATUS_MS)});
     } catch (error) {
       answered = false;
     }
+    asking = false;
     document.body.classList.toggle('drama3-unreachable', !answered);
     const line = document.querySelector('#server-line');
     if (line) line.textContent = answered ? '' : `The server (${location.host}) does not answer: the page tries again `
                                                  + `every ${STATUS_MS / 1000} s and carries on once it is back.`;
+  };
+  const watch = async () => {
+    await check();
     setTimeout(watch, STATUS_MS);
   };
   watch();
+  new MutationObserver(records => {  // a new message of Gradio's (its connection lost?): is the server there?
+    if (records.some(record => [...record.addedNodes].some(node => node.nodeType === Node.ELEMENT_NODE
+        && (node.matches('.toast-body') || node.querySelector('.toast-body'))))) check();
+  }).observe(document.body, {childList: true, subtree: true});
 }
 """
 

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -60,7 +61,7 @@ def reference_rows(folder) -> "datasets.Dataset":
     rows = datasets.Dataset.from_dict({"text": texts, "ref": refs,
                                        "ref_text": [None if ref is None else "A voice." for ref in refs]})
     return rows.cast_column("ref", datasets.Audio(decode=False)).map(
-        lambda row: {"ref": None if row["ref"] is None else {"bytes": open(row["ref"]["path"], "rb").read(),
+        lambda row: {"ref": None if row["ref"] is None else {"bytes": Path(row["ref"]["path"]).read_bytes(),
                                                              "path": "voice.wav"}}).cast_column("ref", datasets.Audio())
 
 

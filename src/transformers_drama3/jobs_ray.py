@@ -362,20 +362,20 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         parser.error(str(error))
     for flag, value, least in (("--concurrency", args.concurrency, 1), ("--encoders", args.encoders, 1),
-                               ("--batch-size", args.batch_size, 1), ("--chunk-bytes", args.chunk_bytes,
-                                                                       MIN_CHUNK_BYTES)):
+                               ("--batch-size", args.batch_size, 1), ("--num-gpus", args.num_gpus, 0),
+                               ("--chunk-bytes", args.chunk_bytes, MIN_CHUNK_BYTES)):
         if value < least:
-            parser.error(f"{flag} must be at least {least}; got {value}")
+            parser.error(f"{flag} must be at least {least}; got {value:g}")
     if args.num_shards is not None and args.num_shards < 1:
         parser.error(f"--num-shards must be at least 1; got {args.num_shards}")
-    try:
-        import ray
-        import ray.data  # noqa: F401
-    except ImportError:
-        print(f"drama3-ray: error: {RAY_HINT}", file=sys.stderr)
-        return 1
     with interrupts_recorded() as interrupted:
         try:
+            try:
+                import ray
+                import ray.data  # noqa: F401
+            except ImportError:
+                print(f"drama3-ray: error: {RAY_HINT}", file=sys.stderr)
+                return 1
             return run_ray_job(ray, args, columns)
         except BaseException as error:  # noqa: BLE001  (Ctrl-C may surface as another error from inside Ray)
             if interrupted or isinstance(error, KeyboardInterrupt):

@@ -23,7 +23,7 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 
 import frame_step
 from configs import build_model, model_config, random_prompt
-from transformers_drama3.cuda_graphs import captured_experts
+from transformers_drama3.generation.cuda_graphs import captured_experts
 from transformers_drama3.testing import quantize_fp8_blockwise
 
 BLOCK = [128, 128]

@@ -48,13 +48,12 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from configs import build_model, model_config, random_prompt
-from transformers_drama3 import Drama3AudioStreamer
-from transformers_drama3.cuda_graphs import captured_experts
-from transformers_drama3.frame_step import FrameState, attention_window, row_limit
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.frame_rules import Drama3FrameSampling
-from transformers_drama3.frame_runner import FrameRunner, KeptStates
-from transformers_drama3.generation_drama3 import generation_settings
+from transformers_drama3 import Drama3AudioStreamer, execution_device
+from transformers_drama3.generation.cuda_graphs import captured_experts
+from transformers_drama3.generation.state import FrameState, attention_window, row_limit
+from transformers_drama3.generation.rules import Drama3FrameSampling, frame_criteria
+from transformers_drama3.generation.runner import FrameRunner, KeptStates
+from transformers_drama3.generation import generation_settings
 
 MODES = ("eager", "compiled", "graph", "compiled+graph")
 PARTS = ("backbone", "tower", "main-token sampling", "embedding and feedback")
@@ -96,7 +95,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def loaded_runner(model, prompt: torch.Tensor, seed: int, graphs: bool = False,
-                  compile_backend: str | None = None) -> FrameRunner:
+                  compile_step: bool | str = False) -> FrameRunner:
     """A runner holding `prompt`'s sequences after their prefill, as `generate` prepares them (default sampling
     settings, one random stream), that never end (the step's cost does not depend on it)."""
     settings = generation_settings(model.generation_config)
@@ -105,12 +104,12 @@ def loaded_runner(model, prompt: torch.Tensor, seed: int, graphs: bool = False,
         prefill = model(prompt, mask, use_cache=True, logits_to_keep=1)
     if not bool(torch.isfinite(prefill.last_hidden_state).all()):
         raise RuntimeError("the backbone gave non-finite hidden states after the prefill: check the initialisation")
-    runner = FrameRunner(model, Drama3FrameSampling(), Drama3Engine.frame_criteria(model, settings), graphs,
-                         compile_backend, kept=KeptStates(model) if graphs else None)
+    generator = torch.Generator(device=execution_device(model.lm_head)).manual_seed(seed)
+    runner = FrameRunner(model, Drama3FrameSampling(), frame_criteria(model, settings), graphs,
+                         compile_step, kept=KeptStates(model) if graphs else None, one_stream=True,
+                         generator=generator)
     batch = prompt.shape[0]
     runner.admit(list(range(batch)), prefill, prompt, mask, [settings] * batch, [None] * batch, [10**9] * batch)
-    runner.one_stream = True
-    runner.shared_generator = torch.Generator(device=runner.state.noise.device).manual_seed(seed)
     return runner
 
 
@@ -274,7 +273,7 @@ def time_mode(model, prompt: torch.Tensor, mode: str, args, device: torch.device
     start = time.perf_counter()
     with torch.no_grad():
         runner = loaded_runner(model, prompt, args.seed, graphs="graph" in mode,
-                               compile_backend="inductor" if "compiled" in mode else None)
+                               compile_step="inductor" if "compiled" in mode else False)
         for _ in range(args.warmup):
             runner.step()
         synchronize(device)

@@ -193,7 +193,7 @@ def prompts_of(processor) -> list[torch.Tensor]:
 def engine_run(model, prompts: list[torch.Tensor], **engine_kwargs) -> tuple[list, str]:
     """4 requests through a `Drama3Engine` stepped by this thread; each must end without error with >= 1 frame. The
     results and a note."""
-    from transformers_drama3.engine import Drama3Engine
+    from transformers_drama3.generation.engine import Drama3Engine
 
     engine = Drama3Engine(model, max_batch=4, **engine_kwargs)
     ids = [engine.add_request(prompt, max_new_tokens=FRAMES, seed=index) for index, prompt in enumerate(prompts)]

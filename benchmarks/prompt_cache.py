@@ -32,7 +32,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from configs import served_checkpoint
 from transformers_drama3 import Drama3Processor, Drama3Voice, FishOmniForSpeech
-from transformers_drama3.prompt_cache import PromptCache
+from transformers_drama3.generation.prompt_cache import PromptCache
 from transformers_drama3.serving import ServerSettings
 from transformers_drama3.serving.thread import ServerThread
 

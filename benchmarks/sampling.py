@@ -23,9 +23,9 @@ from types import SimpleNamespace
 
 import torch
 
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
-from transformers_drama3.frame_rules import Drama3FrameSampling
-from transformers_drama3.sampling import FrameSampler
+from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.generation.rules import Drama3FrameSampling
+from transformers_drama3.generation.sampling import FrameSampler
 
 RULE = Drama3FrameSampling()
 CANDIDATES, CODEBOOKS, HISTORY = 4097, 10, 16

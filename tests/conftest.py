@@ -53,6 +53,37 @@ def golden_model():
 
 
 @pytest.fixture(scope="session")
+def golden_float64_model():
+    """The golden tiny checkpoint in float64 with eager experts, loaded once per run: the engine's tests compare codes
+    exactly (tests/test_engine.py's docstring gives the reason)."""
+    from transformers_drama3 import FishOmniForSpeech
+
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float64)
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.fixture(scope="session")
+def plain_tiny_model(tmp_path_factory):
+    """A tiny random checkpoint with plain (not FP8) experts, in float64 with eager experts: the engine's many-request
+    tests at a third less CPU time per prefill than the golden one."""
+    from transformers_drama3 import FishOmniForSpeech
+    from transformers_drama3.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path_factory.mktemp("plain-tiny"), quantization_config=None)
+    model = FishOmniForSpeech.from_pretrained(path, dtype=torch.float64)
+    model.set_experts_implementation("eager")
+    return model
+
+
+@pytest.fixture(scope="session")
+def engine_prompts(expected):
+    """Three prompts of different lengths (10, 6 and 14 rows)."""
+    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
+    return [a[:10], b[:6], torch.cat((b[:4], a[:10]))]
+
+
+@pytest.fixture(scope="session")
 def golden_processor():
     """The golden tiny checkpoint's `Drama3Processor`, loaded once per run (processors hold no state a test changes)."""
     from transformers_drama3 import Drama3Processor

@@ -173,7 +173,7 @@ def test_generation_defaults_are_transformers_global_defaults():
     such a config (top_k 50 and num_beams 1 among them) without changing Drama 3's settings."""
     from transformers import GenerationConfig
 
-    from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+    from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
 
     defaults = compat.generation_defaults()
     assert defaults["top_k"] == 50 and defaults["num_beams"] == 1

@@ -21,8 +21,8 @@ from websockets.sync.client import connect
 
 from transformers_drama3 import FishOmniForSpeech, cli
 from transformers_drama3.testing import sine_recording, sine_wav
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.frame_step import FrameState
+from transformers_drama3.generation.engine import Drama3Engine
+from transformers_drama3.generation.state import FrameState
 from transformers_drama3.jobs import run_manifest
 from transformers_drama3.processing_drama3 import Drama3Processor
 from transformers_drama3.serving import ServerSettings

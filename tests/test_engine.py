@@ -20,25 +20,21 @@ from transformers.generation.continuous_batching import RequestStatus
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.generation.engine import Drama3Engine
+from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS
 
 from .conftest import GOLDEN_TINY
 from .host_reads import device_reads
 
 
 @pytest.fixture(scope="module")
-def model():
-    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, dtype=torch.float64)
-    model.set_experts_implementation("eager")
-    return model
+def model(golden_float64_model):
+    return golden_float64_model
 
 
 @pytest.fixture(scope="module")
-def prompts(expected):
-    """Three prompts of different lengths (10, 6 and 14 rows)."""
-    a, b = expected["prompt_a_rows"], expected["prompt_b_rows"]
-    return [a[:10], b[:6], torch.cat((b[:4], a[:10]))]
+def prompts(engine_prompts):
+    return engine_prompts
 
 
 def alone(model, rows, **settings):
@@ -186,10 +182,13 @@ def test_a_thread_streams_frames_and_callbacks_see_each_frame(model, prompts):
         called = engine.add_request(prompts[1], seed=1, max_new_tokens=9,
                                     on_frame=lambda request_id, codes: frames.append(codes),
                                     on_finish=lambda result: finished.set())
-        chunks = list(engine.request_id_iter(streamed))
-        result = engine.get_result(streamed, timeout=60)
+        *outputs, result = engine.request_id_iter(streamed)
         assert finished.wait(60)
-    assert torch.equal(torch.stack(chunks, 1), result.codes)
+    assert all(output.status == RequestStatus.DECODING and output.codes is None for output in outputs)
+    assert [output.generated_tokens for output in outputs] == [result.generated_tokens[:n] for n in range(1, result.frames + 1)]
+    assert torch.equal(torch.stack([output.frame for output in outputs], 1), result.codes)
+    with pytest.raises(KeyError, match="no request"):
+        engine.get_result(streamed)  # the stream handed it out
     assert torch.equal(torch.stack(frames, 1), alone(model, prompts[1], seed=1, max_new_tokens=9)[0])
     with pytest.raises(KeyError, match="no request"):
         engine.get_result(called)  # handed to on_finish, not kept
@@ -264,7 +263,9 @@ def test_the_engine_never_steps_from_a_reader_and_says_who_must(model, prompts):
     assert engine.get_result(request_id, timeout=0.05) is None and engine.queued == 1  # not stepped by the reader
     engine.run_until_idle()
     result = engine.get_result(request_id)
-    assert torch.equal(torch.stack(list(engine.request_id_iter(request_id)), 1), result.codes)
+    *outputs, last = engine.request_id_iter(request_id)  # the stream keeps its own end
+    assert torch.equal(torch.stack([output.frame for output in outputs], 1), result.codes)
+    assert last.request_id == request_id and torch.equal(last.codes, result.codes)
 
 
 def test_a_streaming_request_that_finished_before_its_reader_keeps_its_frames(model, prompts):
@@ -273,8 +274,8 @@ def test_a_streaming_request_that_finished_before_its_reader_keeps_its_frames(mo
     with Drama3Engine(model) as engine:
         request_id = engine.add_request(prompts[1], do_sample=False, max_new_tokens=1, streaming=True)
         result = engine.get_result(request_id, timeout=60)
-        frames = list(engine.request_id_iter(request_id))
-    assert result.frames == 1 and torch.equal(torch.stack(frames, 1), result.codes)
+        outputs = list(engine.request_id_iter(request_id))
+    assert result.frames == 1 and torch.equal(outputs[0].frame[:, None], result.codes)
     with pytest.raises(ValueError, match="not a streaming request"):
         list(engine.request_id_iter(request_id))  # read once
     assert result.is_finished() and result.generated_tokens == [model.config.semantic_start_token_id +
@@ -317,7 +318,7 @@ def test_stop_means_stop_while_its_thread_is_still_finishing_a_frame(model, prom
     engine.stop(timeout=0.01)  # a join that times out changes nothing
     assert engine.is_running()
     release.set()
-    engine.stop()
+    engine.stop(hard_stop=True)  # what runs is cancelled (a plain stop would let it finish)
     assert not engine.is_running() and engine.get_result().finish_reason == "cancelled"
     request_id = engine.add_request(prompts[1], do_sample=False, max_new_tokens=2)
     engine.run_until_idle()
@@ -372,9 +373,6 @@ def test_init_continuous_batching_takes_transformers_signature_and_refuses_what_
         model.init_continuous_batching(continuous_batching_config=ContinuousBatchingConfig(use_cuda_graph=(True, False)))
     with pytest.raises(TypeError, match="page_size"):
         model.init_continuous_batching(page_size=16)
-    with pytest.raises(ValueError, match="persistent_manager"):
-        with model.continuous_batching_context_manager(persistent_manager=True):
-            pass
 
 
 def test_each_engine_frame_is_read_back_once(model, prompts):

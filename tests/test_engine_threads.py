@@ -16,21 +16,15 @@ import time
 import pytest
 import torch
 
-from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.testing import write_tiny_checkpoint
+from transformers_drama3.generation.engine import Drama3Engine
 
 THREADS, REQUESTS, MOST_FRAMES = 8, 200, 4
 SETTINGS = [dict(do_sample=False), dict(seed=1), dict(seed=2, temperature=0.7, top_k=20, ras_window=4)]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    """A tiny random checkpoint with plain (not FP8) experts: the same check at a third less CPU time per prefill."""
-    path = write_tiny_checkpoint(tmp_path_factory.mktemp("plain-tiny"), quantization_config=None)
-    model = FishOmniForSpeech.from_pretrained(path, dtype=torch.float64)
-    model.set_experts_implementation("eager")
-    return model
+def model(plain_tiny_model):
+    return plain_tiny_model
 
 
 def test_eight_threads_share_one_engine_without_losing_a_frame(model, expected):
@@ -64,9 +58,12 @@ def test_eight_threads_share_one_engine_without_losing_a_frame(model, expected):
                         time.sleep(draw.uniform(0, 0.02))
                         engine.cancel_request(request_id)
                 for request_id, p, s, frames, kind, seen, cancel in batch:
-                    streamed = list(engine.request_id_iter(request_id)) if kind == "stream" else seen
-                    result = engine.get_result(request_id, timeout=300)
-                    checked.append((result, streamed, kind, p, s, frames, cancel))
+                    if kind == "stream":  # the frames, then the result
+                        *outputs, result = engine.request_id_iter(request_id)
+                        seen = [output.frame for output in outputs]
+                    else:
+                        result = engine.get_result(request_id, timeout=300)
+                    checked.append((result, seen, kind, p, s, frames, cancel))
         except Exception as error:  # noqa: BLE001  (reported by the test below)
             errors.append(error)
 

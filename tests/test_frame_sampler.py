@@ -10,20 +10,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.frame_rules import Drama3FrameSampling
-from transformers_drama3.frame_runner import FrameRunner
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
-from transformers_drama3.sampling import (
+from transformers_drama3.generation.rules import Drama3FrameSampling, frame_criteria
+from transformers_drama3.generation.runner import FrameRunner
+from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
+from transformers_drama3.generation.sampling import (
     CODEBOOK_TOP_K_CAP,
     FrameSampler,
-    RepetitionAwareLogitsProcessor,
-    TopKTopPWarper,
     kept_logits,
     ras_log_probs,
 )
 
 from .conftest import left_padded
+from .sampling_rules import ScalarRas, ScalarRule
 
 NUM_CANDIDATES = 33  # V + 1 main-token candidates (column 0: EOS), V = 32 codes per head
 NUM_CODEBOOKS = 3
@@ -83,14 +81,14 @@ def test_each_rows_kept_set_and_law_are_those_of_the_scalar_rules(inputs):
                            keep_crossing=False)
     for row, changes in enumerate(ROW_SETTINGS[1:], start=1):
         s = settings(**changes)
-        first = TopKTopPWarper(s.temperature, s.top_k or None, s.top_p, keep_crossing=True)
-        second = TopKTopPWarper(s.ras_temperature, s.ras_top_k or None, s.ras_top_p, keep_crossing=True)
+        first = ScalarRule(s.temperature, s.top_k or None, s.top_p, keep_crossing=True)
+        second = ScalarRule(s.ras_temperature, s.ras_top_k or None, s.ras_top_p, keep_crossing=True)
         window = min(s.ras_window, HISTORY)
         assert torch.equal(main[row], first(None, logits[row : row + 1])[0])
         recent = history[row : row + 1, HISTORY - window :]  # the window cut out (the sampler masks it in place)
-        scalar = RepetitionAwareLogitsProcessor(first, second, window)(recent, logits[row : row + 1])
+        scalar = ScalarRas(first, second, window)(recent, logits[row : row + 1])
         assert torch.equal(law[row], scalar[0])
-        head = TopKTopPWarper(s.codebook_temperature, min(s.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP),
+        head = ScalarRule(s.codebook_temperature, min(s.codebook_top_k or CODEBOOK_TOP_K_CAP, CODEBOOK_TOP_K_CAP),
                               s.codebook_top_p, keep_crossing=False)
         assert torch.equal(codebook[row], head(None, heads[row : row + 1])[0])
     # The settings reach the rule: the rows keep different numbers of candidates.
@@ -206,7 +204,7 @@ def test_a_batch_with_settings_per_sequence_gives_each_its_frames_alone(golden_m
     batch, mask = left_padded(*prompts)
     checked = [generation_settings(model.generation_config, **changes) for changes in STEP_SETTINGS]
     prefill = model.prefill(batch, mask)
-    runner = FrameRunner(model, RULE, Drama3Engine.frame_criteria(model, model.generation_config))  # eager
+    runner = FrameRunner(model, RULE, frame_criteria(model, model.generation_config))  # eager
     generators = [torch.Generator().manual_seed(seed) for seed in SEEDS]
     runner.admit([0, 1, 2], prefill, batch, mask, checked, generators, [FRAMES] * 3)
     frames = [[] for _ in prompts]

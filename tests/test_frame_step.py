@@ -23,12 +23,12 @@ import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.cuda_graphs import StepGraphs, captured_experts
-from transformers_drama3.frame_step import WINDOW_CHUNK, FrameState, attention_window, row_limit
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.frame_rules import Drama3FrameSampling
-from transformers_drama3.frame_runner import FrameRunner, KeptStates, kept_states
-from transformers_drama3.generation_drama3 import generation_settings
+from transformers_drama3.generation.cuda_graphs import StepGraphs, captured_experts
+from transformers_drama3.generation.state import WINDOW_CHUNK, FrameState, attention_window, row_limit
+from transformers_drama3.generation.engine import Drama3Engine
+from transformers_drama3.generation.rules import Drama3FrameSampling, frame_criteria
+from transformers_drama3.generation.runner import FrameRunner, KeptStates, kept_states
+from transformers_drama3.generation import generation_settings
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 from transformers_drama3.streaming import Drama3AudioStreamer
 
@@ -159,7 +159,7 @@ def loaded_state(model, prompt, **settings):
 
 def step_rules(model) -> tuple:
     """The sampling rule and device criteria a step runs (those of an engine with the model's settings)."""
-    return Drama3FrameSampling(), Drama3Engine.frame_criteria(model, model.generation_config)
+    return Drama3FrameSampling(), frame_criteria(model, model.generation_config)
 
 
 def state_tensors(state) -> dict[str, torch.Tensor]:
@@ -411,8 +411,8 @@ def test_nothing_compiles_inside_a_capture(model, prompt, monkeypatch):
     torch._dynamo.reset()
     stand_in = StandInCapture(monkeypatch)
     defaults = generation_settings(model.generation_config)
-    runner = FrameRunner(model, Drama3FrameSampling(), Drama3Engine.frame_criteria(model, defaults), graphs=True,
-                         compile_backend="eager", kept=KeptStates(model))
+    runner = FrameRunner(model, Drama3FrameSampling(), frame_criteria(model, defaults), graphs=True,
+                         compile_step="eager", kept=KeptStates(model))
     engine = Drama3Engine(model, runner=runner)
     try:
         with captured_experts(model):

@@ -10,7 +10,7 @@ from transformers.pipelines.base import pad_collate_fn
 
 import transformers_drama3  # noqa: F401  (registers the Drama 3 classes)
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS
 from transformers_drama3.processing_drama3 import left_pad_rows
 from transformers_drama3.voice import Drama3Voice
 

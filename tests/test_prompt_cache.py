@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from transformers_drama3 import FishOmniForSpeech
-from transformers_drama3.prompt_cache import PromptCache, PromptCacheStore, prefill
+from transformers_drama3.generation.prompt_cache import PromptCache, PromptCacheStore, prefill
 from transformers_drama3.voice import Drama3Voice
 
 from .conftest import GOLDEN_TINY

@@ -244,11 +244,11 @@ MIXED_CANDIDATES = 25  # V + 1
 def test_a_batch_with_different_settings_per_row_draws_each_row_from_its_own_law():
     """Each block of rows of one mixed `FrameSampler` (one draw per row, one frame's noise) follows the law of its own
     settings: main tokens the draw rule with the RAS redraw, codes the codebook rule, both recomputed in float64 by
-    `draw_rule` (the scalar `TopKTopPWarper`/`RepetitionAwareLogitsProcessor` give each row the same kept set and
+    `draw_rule` (the rule with one setting for all rows gives each row the same kept set and
     law bit for bit: tests/test_frame_sampler.py). Pearson's test per sampled block and kind at `ALPHA`: six tests, so
     a correct sampler fails fewer than 6e-6 of runs; the greedy block takes the argmax."""
-    from transformers_drama3.frame_rules import Drama3FrameSampling
-    from transformers_drama3.sampling import FrameSampler
+    from transformers_drama3.generation.rules import Drama3FrameSampling
+    from transformers_drama3.generation.sampling import FrameSampler
 
     generator = torch.Generator().manual_seed(31)
     blocks, n = len(MIXED_SETTINGS), MIXED_SAMPLES

@@ -13,8 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import GenerationConfig
 
-from transformers_drama3.engine import Drama3Engine
-from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+from transformers_drama3.generation.engine import Drama3Engine
+from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
 from transformers_drama3.settings_checks import (
     FLOAT32_MAX,
     INT64_MAX,

@@ -77,7 +77,7 @@ def test_a_server_error_is_said_with_the_label_of_the_field_it_names():
 def test_the_pages_bounds_are_those_the_server_checks():
     """Each setting's least and greatest value on the page passes the server's checks, and one step beyond fails
     (the page's sliders end at 2 for temperatures, where the server goes on)."""
-    from transformers_drama3.generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+    from transformers_drama3.generation import DRAMA3_GENERATION_DEFAULTS
     from transformers_drama3.serving.errors import APIError
     from transformers_drama3.serving.settings import ServerSettings
     from transformers_drama3.serving.ui_fields import SETTINGS, bounds, step

@@ -203,7 +203,7 @@ def check_generation_flags(parser: argparse.ArgumentParser, args: argparse.Names
     applies, before any model loads. An out-of-range value is a usage error (exit status 2, one line) naming its flag."""
     from transformers import GenerationConfig
 
-    from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+    from .generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
     from .settings_checks import check_seed
 
     flags = generation_flags(args)

@@ -47,20 +47,15 @@ from transformers.generation.streamers import BaseStreamer
 
 from . import compat
 from .device_placement import execution_device
-from .engine import Drama3Engine
-from .frame_observer import GenerateObserver
-from .frame_rules import FINISH_EOS, Drama3EndOfSpeech, Drama3FrameLimit, Drama3FrameSampling
 from .frame_rows import left_pad_rows, padded_on_the_right
-from .frame_runner import FrameRunner, check_cuda_graphs, kept_states, request_generators
-from .generation_settings import (
-    CALL_ARGUMENTS,
-    DRAMA3_GENERATION_DEFAULTS,
-    generation_settings,
-    merge_settings,
-    unsupported_arguments,
-)
+from .generation.engine import Drama3Engine
+from .generation.observer import GenerateObserver
+from .generation.prompt_cache import PromptCache
+from .generation.rules import FINISH_EOS, Drama3EndOfSpeech, Drama3FrameLimit, Drama3FrameSampling, frame_criteria
+from .generation.runner import FrameRunner, check_cuda_graphs, kept_states
+from .generation.sampling import request_generators
+from .generation.settings import CALL_ARGUMENTS, DRAMA3_GENERATION_DEFAULTS, merge_settings, unsupported_arguments
 from .input_checks import attention_mask_layout, check_frame_layout
-from .prompt_cache import PromptCache
 from .settings_checks import check_flag, check_hooks
 
 logger = logging.get_logger(__name__)
@@ -91,6 +86,15 @@ class Drama3GenerateOutput(GenerateDecoderOnlyOutput):
     codes: list[torch.LongTensor] | None = None
     audio: list[torch.Tensor] | None = None
     finish_reason: list[str] | None = None
+
+
+def _one_of(items, kind: type, hook: str):
+    """The one object of type `kind` in what a generation hook returned."""
+    found = [item for item in items if isinstance(item, kind)]
+    if len(found) != 1:
+        raise ValueError(f"{hook} must return exactly one {kind.__name__} (Drama 3's frames run it), got "
+                         f"{len(found)}")
+    return found[0]
 
 
 def _refuse_types(items, allowed: tuple, what: str, hint: str) -> None:
@@ -163,7 +167,7 @@ class Drama3GenerationMixin(GenerationMixin):
         _refuse_types(criteria, FRAME_STOPPING_CRITERIA, "stopping_criteria",
                       "a Drama 3 sequence ends at its EOS frame (finish reason 'eos'), never on a text token or "
                       "string")
-        criteria.extend(Drama3Engine.frame_criteria(self, generation_config))
+        criteria.extend(frame_criteria(self, generation_config))
         return criteria
 
     def _sample(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
@@ -180,8 +184,10 @@ class Drama3GenerationMixin(GenerationMixin):
         if rules is not None:
             seed = rules.shared_seed(self, seed, generator)  # every rank draws the same noise
         generators = request_generators(seed, generator, batch, execution_device(self.lm_head))
-        sampling = logits_processor[-1]  # `_get_logits_processor`'s rule; before it, the user's processors
-        user_processors = LogitsProcessorList(logits_processor[:-1]) or None
+        # What the hooks returned runs: found by type (a subclass's hooks may order or replace them).
+        sampling = _one_of(logits_processor, Drama3FrameSampling, "_get_logits_processor")
+        frame_limit = _one_of(stopping_criteria, Drama3FrameLimit, "_get_stopping_criteria")
+        user_processors = LogitsProcessorList(p for p in logits_processor if p is not sampling) or None
         device_criteria = StoppingCriteriaList(c for c in stopping_criteria
                                                if isinstance(c, (Drama3EndOfSpeech, Drama3FrameLimit)))
         user_criteria = StoppingCriteriaList(c for c in stopping_criteria if c not in device_criteria) or None
@@ -196,25 +202,24 @@ class Drama3GenerationMixin(GenerationMixin):
             graphs = False
         # A user's logits processor is Python run inside the step: it cannot be compiled with it either.
         compile_step = settings.compile_step if not user_processors else False
-        backend = "inductor" if compile_step is True else (compile_step or None)
-        frames = device_criteria[-1].limit(prompt_length)[0] if batch else 0
+        frames = frame_limit.limit(prompt_length)[0] if batch else 0
         with tqdm(total=frames, unit="frame", leave=False, disable=not model_kwargs.get("show_progress")) as bar:
             observer = GenerateObserver(input_ids, streamer, bar.update, user_processors, user_criteria,
                                         settings.output_scores)
             kept = kept_states(self) if graphs else None
             try:
                 with kept.in_use() if kept is not None else contextlib.nullcontext():
-                    runner = FrameRunner(self, sampling, device_criteria, graphs, backend, observer.needs_scores, kept,
-                                         admits_later=False)
-                    if not isinstance(generators, list):  # one random stream for the batch (or torch's default)
-                        runner.one_stream, runner.shared_generator = True, generators
+                    one_stream = not isinstance(generators, list)  # one stream for the batch (or torch's default)
+                    runner = FrameRunner(self, sampling, device_criteria, graphs, compile_step, observer.needs_scores,
+                                         kept, admits_later=False, one_stream=one_stream,
+                                         generator=generators if one_stream else None)
                     interval = 1 if observer.reads_every_frame else settings.stop_check_interval
-                    engine = Drama3Engine(self, max_batch=max(batch, 1), generation_config=settings,
-                                          stop_check_interval=interval, runner=runner, observer=observer)
+                    engine = Drama3Engine(self, max_batch=max(batch, 1), stop_check_interval=interval, runner=runner,
+                                          observer=observer)
                     try:
                         ids = engine.add_batch(input_ids, model_kwargs.get("attention_mask"), settings,
-                                               generators if isinstance(generators, list) else None,
-                                               model_kwargs.get("prompt_cache"))
+                                               None if one_stream else generators, model_kwargs.get("prompt_cache"),
+                                               frame_limit)
                         observer.ids = {request_id: index for index, request_id in enumerate(ids)}
                         engine.run_until_idle()
                     finally:
@@ -314,5 +319,4 @@ _TRANSFORMERS_ONLY_ARGUMENTS = set(inspect.signature(GenerationMixin.generate).p
     inspect.signature(Drama3GenerationMixin.generate).parameters) - {"self", "kwargs"}
 
 
-__all__ = ["DRAMA3_GENERATION_DEFAULTS", "Drama3FrameLimit", "Drama3GenerateOutput", "Drama3GenerationMixin",
-           "generation_settings"]
+__all__ = ["Drama3GenerateOutput", "Drama3GenerationMixin"]

@@ -117,7 +117,7 @@ def checked_items(entries: Iterable[tuple[str, int, object]], folder: Path, base
     with every problem, or, given a list `problems`, adds them to it and returns the items without any."""
     from transformers import GenerationConfig
 
-    from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+    from .generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
 
     found: list[str] = []
     items, seen = [], {}

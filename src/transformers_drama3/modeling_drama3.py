@@ -26,7 +26,7 @@ from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, exp
 from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
 from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
-from .continuous_batching import Drama3ContinuousBatchingMixin
+from .generation.continuous_batching import Drama3ContinuousBatchingMixin
 from .cpu_path import apply_cpu_path, cpu_path_for_load
 from .device_placement import execution_device
 from .generation_drama3 import Drama3GenerationMixin

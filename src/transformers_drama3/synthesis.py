@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from .device_placement import execution_device
-from .frame_runner import request_generators
-from .generation_drama3 import DRAMA3_GENERATION_DEFAULTS, generation_settings
+from .generation.sampling import request_generators
+from .generation import DRAMA3_GENERATION_DEFAULTS, generation_settings
 from .streaming import Drama3AudioStreamer
 from .voice import Drama3Voice
 

@@ -34,7 +34,7 @@ from fastapi_offline import FastAPIOffline
 from starlette.exceptions import HTTPException
 
 from ..audio_io import AudioEncoder
-from ..generation_drama3 import generation_settings
+from ..generation import generation_settings
 from ..loading import dtype_label, load_model, resolve_device_and_dtype
 from ..processing_drama3 import Drama3Processor
 from ..settings_checks import COUNTS, SettingError, is_integer

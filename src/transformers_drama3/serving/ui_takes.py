@@ -25,7 +25,7 @@ import soundfile
 import torch
 
 from ..audio_io import AudioEncoder
-from ..generation_drama3 import DRAMA3_GENERATION_DEFAULTS
+from ..generation import DRAMA3_GENERATION_DEFAULTS
 from .app import MORE_SAMPLING, enrol_recording, make_job, ready_service, split_input
 from .audio_encoding import available_formats
 from .errors import APIError

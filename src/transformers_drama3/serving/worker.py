@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import FINISH_CANCELLED, FINISH_FAILED, Drama3Engine, Drama3Result
-from ..prompt_cache import PromptCache, PromptCacheStore
+from ..generation import FINISH_CANCELLED, FINISH_FAILED, Drama3Engine, Drama3Result, PromptCache, PromptCacheStore
 from ..streaming import Drama3AudioStreamer
 from ..synthesis import encode_references, history_turns
 from ..voice import Drama3Voice

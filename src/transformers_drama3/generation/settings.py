@@ -13,8 +13,8 @@ import copy
 from transformers import GenerationConfig
 from transformers.generation import GenerationMode
 
-from . import compat
-from .settings_checks import check_generation_settings
+from .. import compat
+from ..settings_checks import check_generation_settings
 
 # Drama 3 settings kept on `model.generation_config` (defaults of the official server; docs/format.md, "Sampling").
 DRAMA3_GENERATION_DEFAULTS = {
@@ -35,6 +35,14 @@ DRAMA3_GENERATION_DEFAULTS = {
     "compile_step": False,  # torch.compile the frame step first (True: inductor; or a torch.compile backend's name)
     "return_dict_in_generate": True,
     "output_scores": False,  # the main-token candidate logits of every frame, in `Drama3GenerateOutput.scores`
+}
+# Settings that are the engine's, not a request's: how the step runs, and what a frame hands back.
+ENGINE_SETTINGS = {
+    "fast_decode": "it is the engine's: Drama3Engine(model, fast_decode=...)",
+    "compile_step": "it is the engine's: Drama3Engine(model, compile_step=...)",
+    "stop_check_interval": "it is the engine's: Drama3Engine(model, stop_check_interval=...) (1 by default: each "
+                           "frame reaches its request as it is made)",
+    "output_scores": "the engine keeps no scores; use model.generate(..., output_scores=True)",
 }
 # transformers' generation settings that mean nothing for frames, but that pipelines and configs carry.
 IGNORED_SETTINGS = ("pad_token_id", "bos_token_id", "eos_token_id", "use_cache", "transformers_version",
@@ -123,5 +131,5 @@ def generation_settings(
     return settings
 
 
-__all__ = ["CALL_ARGUMENTS", "DRAMA3_GENERATION_DEFAULTS", "generation_settings", "merge_settings",
+__all__ = ["CALL_ARGUMENTS", "DRAMA3_GENERATION_DEFAULTS", "ENGINE_SETTINGS", "generation_settings", "merge_settings",
            "unsupported_arguments"]

@@ -4,18 +4,17 @@ One draw of the official server is `sample(logits, T, top_k, top_p, keep_crossin
 float32, sort, softmax over all candidates, keep by top-p (the token that crosses `top_p` stays for the main token,
 `keep_crossing=True`, and is dropped for the codebook heads, `keep_crossing=False`), always keep rank 0, then keep
 ranks `< top_k`, renormalise, draw. `kept_logits` is that rule with one setting per row (tensors), the one
-implementation: `TopKTopPWarper` (scalar settings) and `frame_rules.Drama3FrameSampling` (per-row settings, from a
-`FrameSampler`'s tensors) both call it.
+implementation: `rules.Drama3FrameSampling` calls it with the settings of a `FrameSampler`'s tensors.
 
 Repetition-aware sampling (RAS) redraws the main token with other settings when the first draw is a semantic token
 among the last `window` main ids. `ras_log_probs` returns the log-probabilities of that two-draw procedure as a single
 distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q` has exactly the law of "draw from
 p1; if repeated, draw again from p2", on the device and without a host round trip; its window is per row (0: no RAS
-for that row). `RepetitionAwareLogitsProcessor` is the same with one window for all rows.
+for that row).
 
 `draw` takes its randomness as uniform noise (an exponential race, exact), and all the draws of one frame come from a
 single noise tensor that `FrameSampler.fill_noise` fills outside the frame step (so a captured CUDA graph replays
-with new noise each frame, and seeds work as usual). `FrameSampler`'s settings are tensors at fixed addresses, one
+with new noise each frame, and seeds work as usual) from each request's own `torch.Generator` (`request_generator`). `FrameSampler`'s settings are tensors at fixed addresses, one
 entry per row, written between frames (`set_rows`, `copy_rows`): rows with different settings, greedy ones included,
 share one step and one captured graph.
 """
@@ -23,7 +22,8 @@ share one step and one captured graph.
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor
+
+from ..settings_checks import check_seed
 
 MIN_TEMPERATURE = 1e-5
 CODEBOOK_TOP_K_CAP = 30  # codebook top-k is capped at 30 (docs/format.md, "Codebook heads")
@@ -102,51 +102,6 @@ def draw(
     if noise is None:
         noise = torch.rand(log_probs.shape, generator=generator, device=log_probs.device)
     return (log_probs.float() - torch.log(-torch.log(noise))).argmax(dim=-1)
-
-
-class TopKTopPWarper(LogitsProcessor):
-    """Temperature, top-p (keeping or dropping the crossing token) then top-k, one setting for all rows: `kept_logits`.
-
-    Returns float32 logits scaled by the temperature with `-inf` outside the kept set (`[B, C]` in, `[B, C]` out).
-    """
-
-    def __init__(self, temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0, keep_crossing: bool = True):
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-        if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be at least 1 (or None for no limit), got {top_k}")
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
-        self.keep_crossing = keep_crossing
-
-    def __call__(self, input_ids: torch.LongTensor | None, scores: torch.Tensor) -> torch.Tensor:
-        rows = dict(size=(scores.shape[0],), device=scores.device)
-        return kept_logits(
-            scores, torch.full(**rows, fill_value=self.temperature), torch.full(**rows, fill_value=self.top_k or 0),
-            torch.full(**rows, fill_value=self.top_p), self.keep_crossing,
-        )
-
-
-class RepetitionAwareLogitsProcessor(LogitsProcessor):
-    """RAS over the main-token candidates (column 0 = EOS, column `1 + c` = `<|semantic:c|>`), one window for all rows.
-
-    `input_ids` given to `__call__` is the main-token history as candidate columns `[B, >= window]` (-1 for rows
-    that are no candidate, e.g. prompt text); its last `window` entries are the window. Returns log-probabilities
-    `[B, V + 1]` of the two-draw procedure (`ras_log_probs`).
-    """
-
-    def __init__(self, first: TopKTopPWarper, second: TopKTopPWarper, window: int = 16):
-        if window < 0:
-            raise ValueError(f"ras_window must be >= 0, got {window}")
-        self.first = first
-        self.second = second
-        self.window = window
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
-        window = torch.full((scores.shape[0],), self.window, device=scores.device)
-        second = self.second(None, scores) if self.window else None
-        return ras_log_probs(input_ids, window, self.first(None, scores), second)
 
 
 class FrameSampler:
@@ -244,4 +199,36 @@ class FrameSampler:
                 noise[row].uniform_(generator=generator)
 
 
-__all__ = ["FrameSampler", "RepetitionAwareLogitsProcessor", "TopKTopPWarper", "draw", "kept_logits", "ras_log_probs"]
+def request_generator(seed: int | None, generator: torch.Generator | None, device) -> torch.Generator:
+    """The random stream of one request: `generator` itself, or a new one on `device` seeded with `seed` (a fresh
+    random seed without one)."""
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        return generator
+    made = torch.Generator(device=device)
+    if seed is None:
+        made.seed()
+    else:
+        check_seed(seed)
+        made.manual_seed(seed)
+    return made
+
+
+def request_generators(seed, generator, batch: int, device) -> torch.Generator | list | None:
+    """The random streams of a `generate` call: None (torch's default) or one `torch.Generator` for the whole batch,
+    or a list of one per sequence (from `seed` or `generator` given as a list)."""
+    if seed is not None and generator is not None:
+        raise ValueError("pass either seed or generator, not both")
+    many = seed if isinstance(seed, (list, tuple)) else generator if isinstance(generator, (list, tuple)) else None
+    if many is not None:
+        if len(many) != batch:
+            raise ValueError(f"seed or generator as a list needs one per sequence ({batch}), got {len(many)}")
+        return [request_generator(each, None, device) if seed is not None else request_generator(None, each, device)
+                for each in many]
+    return None if seed is None and generator is None else request_generator(seed, generator, device)
+
+
+__all__ = ["FrameSampler", "draw", "kept_logits", "ras_log_probs", "request_generator", "request_generators"]

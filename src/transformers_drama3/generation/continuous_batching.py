@@ -23,9 +23,12 @@ import torch
 from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.utils import WorkloadHints
+from transformers.utils import logging
 
-from .device_placement import execution_device
+from ..device_placement import execution_device
 from .engine import Drama3Engine
+
+logger = logging.get_logger(__name__)
 
 DEFAULT_MAX_BATCH = 8
 # ContinuousBatchingConfig fields the engine honours -> its option of the same meaning.
@@ -79,10 +82,22 @@ class Drama3ContinuousBatchingMixin:
     def init_continuous_batching(self, generation_config: GenerationConfig | None = None,
                                  continuous_batching_config: ContinuousBatchingConfig | None = None,
                                  workload_hints: WorkloadHints | None = None, **drama3_options) -> Drama3Engine:
-        """A `Drama3Engine` over this model (module docstring). `generation_config`: the requests' default settings
-        (the model's by default). Start it with `start()` (or `with`), then `add_request` / `get_result`."""
+        """A `Drama3Engine` over this model (module docstring): the one kept on the model by
+        `stop(keep_for_next_session=True)` if there is one, else a new one. `generation_config`: the requests'
+        default settings, over the model's. Start it with `start()` (or `with`), then `add_request` / `get_result`."""
         options = engine_options(continuous_batching_config, workload_hints, **drama3_options)
+        kept = getattr(self, "_cached_continuous_batching_manager", None)
+        if kept is not None:
+            logger.info("the engine kept on the model (stop(keep_for_next_session=True)) is used again; "
+                        "destroy_cached_continuous_batching_manager() lets it go")
+            return kept
         return Drama3Engine(self, generation_config=generation_config, **options)
+
+    def destroy_cached_continuous_batching_manager(self) -> None:
+        """Stop and let go the engine kept on the model (its frame states and CUDA graphs are freed)."""
+        kept = getattr(self, "_cached_continuous_batching_manager", None)
+        if kept is not None:
+            kept.stop(hard_stop=True)
 
     @contextlib.contextmanager
     def continuous_batching_context_manager(self, generation_config: GenerationConfig | None = None,
@@ -90,19 +105,19 @@ class Drama3ContinuousBatchingMixin:
                                             continuous_batching_config: ContinuousBatchingConfig | None = None,
                                             persistent_manager: bool = False, warmup: bool = True,
                                             workload_hints: WorkloadHints | None = None, **drama3_options):
-        """A started `Drama3Engine`, stopped on exit (`stop(block, timeout)`). `warmup` needs no separate pass: the
-        engine captures or compiles its step at its first frames. `persistent_manager=True` is refused: keep the
-        engine of `init_continuous_batching` yourself to reuse it."""
-        if persistent_manager:
-            raise ValueError("persistent_manager=True: Drama 3 keeps no engine on the model; keep the one "
-                             "init_continuous_batching returns and start()/stop() it yourself")
+        """A started `Drama3Engine` (`warmup()` first, with `warmup`), stopped on exit: `stop(block, timeout,
+        keep_for_next_session=persistent_manager)`, which cancels what runs when the block raised."""
         engine = self.init_continuous_batching(generation_config, continuous_batching_config, workload_hints,
                                                **drama3_options)
+        if warmup:
+            engine.warmup()
         engine.start()
         try:
             yield engine
-        finally:
-            engine.stop(block=block, timeout=timeout)
+        except BaseException:
+            engine.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager, hard_stop=True)
+            raise
+        engine.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
 
     @torch.no_grad()
     def generate_batch(self, inputs: list, generation_config: GenerationConfig | None = None,

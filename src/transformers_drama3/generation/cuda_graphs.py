@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .generation_settings import DRAMA3_GENERATION_DEFAULTS
+from .settings import DRAMA3_GENERATION_DEFAULTS
 from .sampling import SAMPLING_SETTINGS
 
 CAPTURE_WARMUP_STEPS = 2  # eager steps on a side stream before a state's first capture (lazy inits, workspaces)

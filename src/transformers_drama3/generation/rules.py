@@ -15,7 +15,7 @@ adds (their own processors and criteria) runs in Python on the host, in the one 
 from __future__ import annotations
 
 import torch
-from transformers import LogitsProcessor, StoppingCriteria
+from transformers import LogitsProcessor, StoppingCriteria, StoppingCriteriaList
 
 from .sampling import CODEBOOK_TOP_K_CAP, FrameSampler, draw, kept_logits, ras_log_probs
 
@@ -99,5 +99,13 @@ class Drama3FrameLimit(StoppingCriteria):
         return frames_made >= frame_limit
 
 
+def frame_criteria(model, settings) -> StoppingCriteriaList:
+    """The device criteria every frame runs: EOS, then the frame limit (`settings.max_new_tokens` frames within the
+    backbone's context; each sequence's own limit is set when it joins)."""
+    context = model.config.text_config.max_position_embeddings
+    return StoppingCriteriaList([Drama3EndOfSpeech(model.config.eos_token_id),
+                                 Drama3FrameLimit(settings.max_new_tokens, context)])
+
+
 __all__ = ["FINISH_CONTEXT", "FINISH_EOS", "FINISH_LENGTH", "FINISH_STOP", "Drama3EndOfSpeech", "Drama3FrameLimit",
-           "Drama3FrameSampling"]
+           "Drama3FrameSampling", "frame_criteria"]

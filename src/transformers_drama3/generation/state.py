@@ -33,9 +33,9 @@ import torch
 from transformers import StaticCache, StoppingCriteriaList
 from transformers.cache_utils import Cache, StaticLayer
 
-from .device_placement import execution_device
-from .modeling_tower import additive_mask, rotary_angles
-from .frame_rules import Drama3FrameSampling
+from ..device_placement import execution_device
+from ..modeling_tower import additive_mask, rotary_angles
+from .rules import Drama3FrameSampling
 from .sampling import FrameSampler
 
 WINDOW_CHUNK = 256  # the smallest attention window; windows double from here

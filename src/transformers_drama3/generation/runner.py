@@ -24,9 +24,8 @@ from transformers import StoppingCriteriaList
 from transformers.utils import logging
 
 from .cuda_graphs import FREE_SLOT, StepGraphs
-from .frame_rules import Drama3FrameSampling
-from .frame_step import FrameState, attention_window, row_limit
-from .settings_checks import SEED_RANGE, is_integer
+from .rules import Drama3FrameSampling
+from .state import FrameState, attention_window, row_limit
 
 logger = logging.get_logger(__name__)
 
@@ -85,6 +84,11 @@ class KeptStates:
         if kept is None or kept.capacity <= state.capacity:
             self.states[key] = state
 
+    def clear(self) -> None:
+        """Let every kept state and captured graph go (their device memory is freed once nothing holds them)."""
+        self.states.clear()
+        self.graphs = StepGraphs()
+
 
 def kept_states(model) -> KeptStates:
     """The model's `KeptStates`, rebuilt when its parameters were replaced or moved since the last call."""
@@ -99,24 +103,28 @@ class FrameRunner:
     over them (module docstring).
 
     `sampling` and `stopping`: the rule and the device criteria the step calls (frame_rules.py). `graphs`: replay the
-    step as CUDA graphs, kept in `kept`; `compile_backend`: `torch.compile` the step first; `scores`: keep each step's
-    main-token logits; `admits_later`: sequences may join after the first admission (an engine's runner; not a
-    `generate` batch's). A captured or compiled step attends over `attention_window` cache positions (a few shapes),
+    step as CUDA graphs, kept in `kept`; `compile_step`: `torch.compile` the step first (True: inductor, or a backend's
+    name); `scores`: keep each step's main-token logits; `admits_later`: sequences may join after the first admission
+    (an engine's runner; not a `generate` batch's); `one_stream`: every slot draws from `generator` (None: torch's
+    default stream) instead of its own. A captured or compiled step attends over `attention_window` cache positions (a few shapes),
     an eager one over exactly the positions in use.
 
-    `builds` counts the states built and `moved_bytes` the bytes of running sequences' caches copied into another
+    Failures: a method that raises either leaves the runner as it was (a state that could not be built or filled) or
+    drops the state, with every sequence in it (a step or an in-place move that stopped half-way); `running` then says
+    which sequences are left. `builds` counts the states built and `moved_bytes` the bytes of running sequences' caches copied into another
     state or to later cache positions (a newcomer's own prefill is not counted): both change only with the capacity,
     or when a newcomer's prompt is longer than the cache positions before the next frame's (then the running
     sequences' attention rows move, in place).
     """
 
     def __init__(self, model, sampling: Drama3FrameSampling, stopping: StoppingCriteriaList, graphs: bool = False,
-                 compile_backend: str | None = None, scores: bool = False, kept: KeptStates | None = None,
-                 admits_later: bool = True):
+                 compile_step: bool | str = False, scores: bool = False, kept: KeptStates | None = None,
+                 admits_later: bool = True, one_stream: bool = False, generator: torch.Generator | None = None):
         if graphs and kept is None:
             raise ValueError("a runner with CUDA graphs needs a KeptStates to hold them")
         self.model, self.sampling, self.stopping = model, sampling, stopping
-        self.graphs, self.compile_backend, self.scores, self.kept = graphs, compile_backend, scores, kept
+        self.graphs, self.scores, self.kept = graphs, scores, kept
+        self.compile_backend = "inductor" if compile_step is True else (compile_step or None)
         # Without later admissions (a `generate` batch) a state shrinks as soon as a smaller one holds the running
         # sequences; with them, only when a quarter or fewer of its slots are in use (no rebuild back and forth).
         self.shrink_factor = 4 if admits_later else 2
@@ -126,7 +134,7 @@ class FrameRunner:
         self.first: list[int] = []  # per slot: the first cache position its sequence uses
         self.generators: list = []  # per slot: its torch.Generator (None: torch's default stream, or free)
         # One random stream for all slots instead (a `generate` call given one generator, or none: torch's default).
-        self.one_stream, self.shared_generator = False, None
+        self.one_stream, self.shared_generator = one_stream, generator
         self.layout = 0  # changes whenever slots change owner: callers cache slot indexes on it
         self.longest_prompt = 0  # the longest prompt admitted: a new state starts with room for one as long
         self.builds = self.moved_bytes = 0
@@ -225,9 +233,15 @@ class FrameRunner:
         free = [slot for slot, key in enumerate(self.keys) if key is None]
         slots = free[:count]
         index = torch.tensor(slots, device=state.write_at.device)
-        state.admit(index, prefill, input_ids, self.model.row_positions(attention_mask), attention_mask, frame_limits)
-        for slot, key, settings_i, generator in zip(slots, keys, settings, generators):
-            state.sampler.set_rows(torch.tensor([slot], device=state.write_at.device), settings_i)
+        try:
+            state.admit(index, prefill, input_ids, self.model.row_positions(attention_mask), attention_mask,
+                        frame_limits)
+            for slot, settings_i in zip(slots, settings):
+                state.sampler.set_rows(torch.tensor([slot], device=state.write_at.device), settings_i)
+        except BaseException:
+            state.ended[index] = True  # the slots stay free; the running sequences were not touched
+            raise
+        for slot, key, generator in zip(slots, keys, generators):
             self.keys[slot], self.first[slot] = key, state.pointer - prompt_length
             self.generators[slot] = generator
         self.layout += 1
@@ -241,7 +255,11 @@ class FrameRunner:
             return
         slots, _ = self.taken()
         lowest = min(self.first[slot] for slot in slots)
-        self.moved_bytes += state.shift(lowest, positions)
+        try:
+            self.moved_bytes += state.shift(lowest, positions)
+        except BaseException:
+            self.close(keep=False)  # the rows moved half-way: the running sequences are lost
+            raise
         self.first = [first + positions for first in self.first]
         self.layout += 1
 
@@ -261,11 +279,19 @@ class FrameRunner:
         if not running and self.state.batch > 1:
             self.close()  # the next request alone must not pay for empty slots (a state of one slot is kept)
         elif running and running <= self.state.batch // self.shrink_factor:
-            self._move()
+            try:
+                self._move()
+            except Exception as error:  # noqa: BLE001  (the larger state holds the same sequences: they go on)
+                logger.warning("the frame state could not shrink to %d sequences (%s): it keeps its %d slots",
+                               running, error, self.state.batch)
 
-    def close(self) -> None:
-        """Drop the state (kept for later calls where the runner keeps states)."""
-        self._let_go(self.state)
+    def close(self, keep: bool = True) -> None:
+        """Drop the state: kept for later calls where the runner keeps states, unless `keep` is False (a state
+        left half-updated by a failure, or an owner that stops for good: then every kept state goes too)."""
+        if keep:
+            self._let_go(self.state)
+        elif self.kept is not None:
+            self.kept.clear()
         self.state, self.keys, self.first, self.generators = None, [], [], []
         self.layout += 1
 
@@ -341,29 +367,4 @@ def check_cuda_graphs(model) -> None:
         )
 
 
-def request_generators(seed, generator, batch: int, device: torch.device):
-    """The random streams of a call: None (torch's default), one `torch.Generator`, or a list of one per sequence
-    (from `seed` as an int or a list of ints, or `generator` as a Generator or a list)."""
-    if seed is not None and generator is not None:
-        raise ValueError("pass either seed or generator, not both")
-    def valid_seed(value) -> bool:  # what torch.Generator.manual_seed takes: a 64-bit integer
-        return is_integer(value) and SEED_RANGE[0] <= value <= SEED_RANGE[1]
-
-    if isinstance(seed, (list, tuple)):
-        if len(seed) != batch or not all(valid_seed(s) for s in seed):
-            raise ValueError(f"seed as a list needs one 64-bit integer per sequence ({batch}), got {seed!r}")
-        return [torch.Generator(device=device).manual_seed(s) for s in seed]
-    if seed is not None:
-        if not valid_seed(seed):
-            raise ValueError(f"seed must be a 64-bit integer (or a list of one per sequence), got {seed!r}")
-        return torch.Generator(device=device).manual_seed(seed)
-    if isinstance(generator, (list, tuple)):
-        if len(generator) != batch or not all(isinstance(g, torch.Generator) for g in generator):
-            raise ValueError(f"generator as a list needs one torch.Generator per sequence ({batch})")
-        return list(generator)
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise ValueError(f"generator must be a torch.Generator (or a list of one per sequence), got {type(generator).__name__}")
-    return generator
-
-
-__all__ = ["FrameRunner", "KeptStates", "check_cuda_graphs", "kept_states", "request_generators"]
+__all__ = ["FrameRunner", "KeptStates", "check_cuda_graphs", "kept_states"]

@@ -240,6 +240,8 @@ def test_the_cli_refuses_a_bad_manifest_before_loading_the_model(tmp_path, monke
     (["--dataset", "d.parquet", "--output-dataset", "o", "--text-column", "t", "--dialogue-column", "d"],
      "--text-column or --dialogue-column, not both"),
     (["--dataset", "d.parquet", "--output-dir", "o", "--num-shards", "2"], "--num-shards is the number"),
+    (["--manifest", "j.jsonl", "--output-dir", __file__], "is a file: give a folder (it is created if missing)"),
+    (["--dataset", "d.parquet", "--output-dataset", __file__], f"--output-dataset {__file__!r} is a file"),
 ])
 def test_manifest_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

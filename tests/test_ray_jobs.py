@@ -153,6 +153,13 @@ def test_drama3_ray_refuses_bad_input_before_ray_starts(tmp_path, monkeypatch, c
     assert "2 problems in" in error and "row 1: no such file: references audio" in error and "gone.wav" in error
     assert "row 2 (id row2): text contains the control token '<|im_end|>'" in error
 
+    # Usage errors (exit status 2) before anything is read: an output that is a file, a negative GPU count.
+    for flags, message in ((["--output", str(tmp_path / "words.parquet")], "is a file: give a folder"),
+                           (["--output", str(tmp_path / "out"), "--num-gpus", "-1"], "--num-gpus must be at least 0")):
+        with pytest.raises(SystemExit) as exit_:
+            jobs_ray.main([str(tmp_path / "words.parquet"), "--model", str(GOLDEN_TINY), *flags])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+
     # A local cluster without the GPUs the actors ask for is refused before it starts.
     monkeypatch.undo()
     monkeypatch.setattr(ray, "init", lambda *args, **kwargs: pytest.fail("Ray was started"))

@@ -79,6 +79,9 @@ def check_job_usage(parser: argparse.ArgumentParser, args: argparse.Namespace) -
         dataset_columns(args)
     except ValueError as error:
         parser.error(str(error))
+    for flag, folder in (("--output-dir", args.output_dir), ("--output-dataset", args.output_dataset)):
+        if folder is not None and folder.exists() and not folder.is_dir():
+            parser.error(f"{flag} {str(folder)!r} is a file: give a folder (it is created if missing)")
     if args.batch_size < 1:
         parser.error(f"--batch-size must be at least 1; got {args.batch_size}")
     if args.num_shards is not None and (args.num_shards < 1 or args.output_dataset is None):

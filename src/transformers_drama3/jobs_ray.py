@@ -368,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{flag} must be at least {least}; got {value:g}")
     if args.num_shards is not None and args.num_shards < 1:
         parser.error(f"--num-shards must be at least 1; got {args.num_shards}")
+    if args.output.exists() and not args.output.is_dir():
+        parser.error(f"--output {str(args.output)!r} is a file: give a folder (it is created if missing)")
     with interrupts_recorded() as interrupted:
         try:
             try:

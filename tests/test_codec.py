@@ -1,10 +1,12 @@
 """Fish DAC codec (docs/format.md#the-codec): golden decode/encode, exact streaming, the original `codec.pth` layout,
 the codec as a transformers model (save/load, Auto classes, initial weights, attention kernels), bad inputs."""
 
+import copy
 import json
 import math
 import os
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -18,7 +20,15 @@ import transformers_drama3  # noqa: F401  (registers the Auto classes)
 from transformers_drama3.configuration_drama3 import FishDACConfig
 from transformers_drama3.codec_blocks import FishDACCausalConv1d, FishDACWindowedAttention, apply_rope, rope_table
 from transformers_drama3.codec_file import original_codec_key_shapes
-from transformers_drama3.codec_layout import FishDACLoadError, load_codec_state_dict, load_codec_weights
+from transformers_drama3 import modeling_codec
+from transformers_drama3.codec_file import write_codec_file
+from transformers_drama3.codec_layout import (
+    FishDACLoadError,
+    folded_state_dict,
+    load_codec_state_dict,
+    load_codec_weights,
+    memory_maps,
+)
 from transformers_drama3.modeling_codec import FishDACCodec, FishDACVectorQuantizer
 from transformers_drama3.audio_io import resample_audio
 from transformers_drama3.testing import random_original_codec_state_dict
@@ -243,6 +253,17 @@ def test_streaming_one_frame_chunks_and_bounded_state(small_window_codec):
     stream.reset()
     assert stream.frames_decoded == 0 and stream.state_size() == 0
     assert torch.equal(stream.decode(codes[..., :3]).audio_values[:, 0], torch.cat(pieces[:3], -1))
+
+
+def test_the_carried_state_holds_only_what_it_carries(codec, expected):
+    """Each carried tensor owns its memory: a view of the chunk's activations would keep the whole chunk alive (65 MiB
+    for a real-size codec streaming 8-frame chunks, against 1.5 MiB carried)."""
+    stream = codec.stream()
+    for start in (0, 4):
+        stream.decode(expected["codec_codes"][None, :, start : start + 4])
+    tensors = [t for value in stream._state.values() for t in (value if isinstance(value, tuple) else (value,))
+               if isinstance(t, torch.Tensor)]
+    assert tensors and all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in tensors)
 
 
 def test_stream_rejects_batch_change(codec, tiny_config):
@@ -524,6 +545,160 @@ def test_non_state_dict_files_are_refused(tmp_path):
         load_codec_state_dict(tmp_path / "list.pth")
     with pytest.raises(FileNotFoundError):
         load_codec_state_dict(tmp_path / "absent.pth")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory: the codec built in place from codec.pth, its encoding side loaded on first use
+# --------------------------------------------------------------------------------------------------------------
+
+ENCODING_SIDE_PREFIXES = ("encoder.", "quantizer.downsample.", "quantizer.pre_module.")
+
+
+@pytest.fixture
+def waiting(tiny_config):
+    """A codec whose encoding side waits for first use, as `FishOmniForSpeech.from_pretrained` loads it."""
+    return FishDACCodec.from_codec_file(CODEC_PTH, tiny_config, defer_encoding_side=True)
+
+
+def test_a_waiting_encoding_side_holds_no_weights_and_decoding_needs_none(waiting, codec, expected):
+    assert not waiting.encoding_side_loaded
+    assert waiting.encoder is None and waiting.quantizer.downsample is None and waiting.quantizer.pre_module is None
+    assert not any(name.startswith(ENCODING_SIDE_PREFIXES) for name, _ in waiting.named_parameters())
+    codes = expected["codec_codes"][None]
+    assert torch.equal(waiting.decode(codes).audio_values, codec.decode(codes).audio_values)
+    assert torch.equal(waiting.stream().decode(codes).audio_values, codec.stream().decode(codes).audio_values)
+    assert not waiting.encoding_side_loaded
+
+
+def test_the_first_encode_loads_the_encoding_side_and_gives_the_golden_codes(waiting, codec, expected):
+    codes = waiting.encode(expected["codec_input_audio"], 44100).audio_codes
+    assert waiting.encoding_side_loaded
+    assert torch.equal(codes[0], expected["codec_encoded"])
+    assert waiting.state_dict().keys() == codec.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(waiting.state_dict().values(), codec.state_dict().values()))
+    assert not waiting.encoder.training and not waiting.quantizer.pre_module.training  # the codec's eval mode
+
+
+def test_bad_audio_is_refused_before_the_encoding_side_loads(waiting):
+    with pytest.raises(ValueError, match="NaN"):
+        waiting.encode(torch.tensor([0.1, float("nan")] * 100), 44100)
+    assert not waiting.encoding_side_loaded
+
+
+def test_an_encoding_side_first_loaded_in_inference_mode_holds_ordinary_weights(waiting, expected):
+    """The processor encodes in `torch.inference_mode()`: weights made there would be inference tensors for good."""
+    with torch.inference_mode():
+        waiting.encode(expected["codec_input_audio"], 44100)
+    assert not any(p.is_inference() for p in waiting.encoder.parameters())
+    waiting.encoder(torch.zeros(1, 1, 2048)).sum().backward()  # autograd takes them (fine-tuning after cloning)
+
+
+def test_the_encoding_side_loads_in_the_codecs_dtype(waiting, codec64, expected):
+    waiting.double()  # before the encoding side exists: it joins in the dtype of the codebooks' input projections
+    codes = waiting.encode(expected["codec_input_audio"], 44100).audio_codes
+    assert waiting.encoder.input_conv.weight.dtype == torch.float64
+    assert torch.equal(codes, codec64.encode(expected["codec_input_audio"], 44100).audio_codes)
+
+
+def test_threads_encoding_at_once_load_the_encoding_side_once(waiting, expected, monkeypatch):
+    """The server encodes references from several threads: one load, the same codes everywhere."""
+    loads, calls = [], modeling_codec.folded_state_dict
+    monkeypatch.setattr(modeling_codec, "folded_state_dict", lambda *a, **k: loads.append(1) or calls(*a, **k))
+    barrier, results = threading.Barrier(4), []
+
+    def encode():
+        barrier.wait()
+        results.append(waiting.encode(expected["codec_input_audio"], 44100).audio_codes[0])
+
+    threads = [threading.Thread(target=encode) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(loads) == 1 and len(results) == 4
+    assert all(torch.equal(codes, expected["codec_encoded"]) for codes in results)
+
+
+def test_saving_and_loading_weights_complete_a_waiting_codec(tiny_config, codec, expected, tmp_path):
+    """`original_state_dict` (what `save_pretrained` writes), `state_dict` and loads of whole state dicts load the
+    encoding side first: none of its weights is missing from a save or left unloaded."""
+    waiting = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config, defer_encoding_side=True)
+    assert original_codec_key_shapes(tiny_config).keys() == waiting.original_state_dict().keys()
+    waiting = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config, defer_encoding_side=True)
+    waiting.save_pretrained(tmp_path)
+    reloaded = FishDACCodec.from_pretrained(tmp_path)
+    assert torch.equal(reloaded.encode(expected["codec_input_audio"], 44100).audio_codes[0], expected["codec_encoded"])
+    loads = [lambda target: load_codec_weights(target, codec.state_dict()),  # the folded layout
+             lambda target: load_codec_weights(target, load_codec_state_dict(CODEC_PTH)),  # the original one
+             lambda target: target.load_state_dict(codec.state_dict())]
+    for load in loads:
+        target = FishDACCodec.from_codec_file(CODEC_PTH, tiny_config, defer_encoding_side=True)
+        load(target)
+        assert target.encoding_side_loaded
+        assert torch.equal(target.encode(expected["codec_input_audio"], 44100).audio_codes[0], expected["codec_encoded"])
+
+
+def test_a_copy_of_a_waiting_codec_loads_its_own_encoding_side(waiting, expected):
+    other = copy.deepcopy(waiting)
+    assert torch.equal(other.encode(expected["codec_input_audio"], 44100).audio_codes[0], expected["codec_encoded"])
+    assert other.encoding_side_loaded and not waiting.encoding_side_loaded
+
+
+def test_a_waiting_codec_keeps_the_weights_of_the_file_it_was_loaded_from(tiny_config, expected, tmp_path):
+    """`write_codec_file` replaces the file (a new file renamed over it): a codec loaded from the old one keeps its
+    memory maps of the old file, so its weights, waiting ones included, are those it was loaded with."""
+    path = tmp_path / "codec.pth"
+    path.write_bytes(CODEC_PTH.read_bytes())
+    waiting = FishDACCodec.from_codec_file(path, tiny_config, defer_encoding_side=True)
+    other = FishDACCodec(tiny_config)
+    other.load_original_state_dict(random_original_codec_state_dict(tiny_config, torch.Generator().manual_seed(5)))
+    write_codec_file(other, tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["codec.pth"]  # no temporary file left behind
+    assert torch.equal(waiting.encode(expected["codec_input_audio"], 44100).audio_codes[0], expected["codec_encoded"])
+    audio = waiting.decode(expected["codec_codes"][None]).audio_values[0, 0]
+    torch.testing.assert_close(audio, expected["codec_audio"], atol=1e-4, rtol=0)
+    reloaded = FishDACCodec.from_codec_file(path, tiny_config)
+    assert all(torch.equal(a, b) for a, b in zip(reloaded.state_dict().values(), other.state_dict().values()))
+
+
+def _file_mapped_bytes(tensors, path) -> int:
+    """Bytes of `tensors` that lie in a memory map of the file `path` (Linux's /proc/self/maps, where the package's CI
+    runs)."""
+    with open("/proc/self/maps") as maps:
+        ranges = [tuple(int(end, 16) for end in line.split()[0].split("-")) for line in maps
+                  if line.rstrip().endswith(str(path))]
+    return sum(t.numel() * t.element_size() for t in tensors if any(low <= t.data_ptr() < high for low, high in ranges))
+
+
+def test_weights_that_need_no_folding_are_the_files_own_pages(tiny_config):
+    """Built in place: the windowed transformers, convs without weight norm, biases and Snake parameters are views of
+    the memory-mapped codec.pth (no second copy while loading); folded weights (weight norm, lookup tables) are not."""
+    path = CODEC_PTH.resolve()
+    codec = FishDACCodec.from_codec_file(path, tiny_config)
+    stored = list(codec.quantizer.post_module.parameters()) + [codec.decoder.input_conv.bias]
+    assert _file_mapped_bytes(stored, path) == sum(p.numel() * 4 for p in stored)
+    folded = [codec.decoder.input_conv.weight, codec.quantizer.codebooks[0].table]
+    assert _file_mapped_bytes(folded, path) == 0
+
+
+def test_folded_state_dict_takes_stored_tensors_as_they_are_and_folds_from_the_second_map(tiny_config):
+    with torch.device("meta"):
+        target = FishDACCodec(tiny_config)
+    kept, read = memory_maps(CODEC_PTH, 2)
+    folded = folded_state_dict(target, kept, read)
+    name = "quantizer.post_module.layers.0.attention.wqkv.weight"
+    assert folded[name] is kept[name]
+    g, v = (read[f"decoder.model.0.conv.parametrizations.weight.original{i}"] for i in (0, 1))
+    torch.testing.assert_close(folded["decoder.input_conv.weight"], g * v / v.norm(dim=(1, 2), keepdim=True),
+                               **reordering_tolerance(v, v[0].numel() + 2))
+
+
+def test_a_legacy_file_cannot_be_mapped_and_loads_whole(tiny_config, expected, tmp_path):
+    torch.save(torch.load(CODEC_PTH, weights_only=True), tmp_path / "legacy.pth", _use_new_zipfile_serialization=False)
+    assert memory_maps(tmp_path / "legacy.pth", 2) is None
+    codec = FishDACCodec.from_codec_file(tmp_path / "legacy.pth", tiny_config, defer_encoding_side=True)
+    assert codec.encoding_side_loaded
+    assert torch.equal(codec.encode(expected["codec_input_audio"], 44100).audio_codes[0], expected["codec_encoded"])
 
 
 # --------------------------------------------------------------------------------------------------------------

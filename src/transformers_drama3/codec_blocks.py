@@ -60,7 +60,7 @@ class FishDACCausalConv1d(nn.Module):
             if history is None:
                 history = x.new_zeros(x.shape[0], x.shape[1], self.context)
             x = torch.cat([history, x], dim=-1)
-            state[self] = x[..., x.shape[-1] - self.context :]
+            state[self] = x[..., x.shape[-1] - self.context :].clone()  # a view would keep the whole chunk alive
         return F.conv1d(x, self.weight, self.bias, self.stride, 0, self.dilation, self.groups)
 
 
@@ -87,7 +87,7 @@ class FishDACCausalConvTranspose1d(nn.Module):
             if history is None:
                 history = x.new_zeros(x.shape[0], x.shape[1], self.history)
             x = torch.cat([history, x], dim=-1)
-            state[self] = x[..., x.shape[-1] - self.history :]
+            state[self] = x[..., x.shape[-1] - self.history :].clone()  # a view would keep the whole chunk alive
             carried = self.history
         y = F.conv_transpose1d(x, self.weight, self.bias, self.stride)
         return y[..., carried * self.stride : (carried + steps) * self.stride]
@@ -204,7 +204,7 @@ class FishDACWindowedAttention(nn.Module):
                 past = past_k.shape[2]
                 k, v = torch.cat([past_k, k], dim=2), torch.cat([past_v, v], dim=2)
             keep = max(0, k.shape[2] - (self.window - 1))
-            state[self] = (k[:, :, keep:], v[:, :, keep:])
+            state[self] = (k[:, :, keep:].clone(), v[:, :, keep:].clone())  # views would keep the chunk's k, v
         out = torch.cat([self._attend_block(q, k, v, past, start) for start in range(0, steps, self.window)], dim=2)
         return self.wo(out.transpose(1, 2).reshape(batch, steps, self.n_head * self.head_dim))
 

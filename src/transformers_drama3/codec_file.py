@@ -10,14 +10,19 @@ float32, on the device where the model takes its inputs (or on the one a device 
 Why the codec is never offloaded: it encodes and decodes through its own methods and lookup tables
 (`F.embedding(ids, table)`), not through one `forward`, so accelerate's offload hooks would never bring its weights
 in. It is small next to the backbone (1.6 GB in float32 for the real codec).
+
+Memory: the codec is built in place from the memory-mapped `codec.pth` (`FishDACCodec.from_codec_file`), and its
+encoding side, which only voice cloning uses, waits for the first `encode` (docs/codec.md#memory).
 """
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
+from .audio_io import write_atomically
 from .checkpoint_mapping import Drama3CheckpointError
 from .configuration_drama3 import FishDACConfig
 from .codec_layout import check_codec_state_dict, load_codec_state_dict, original_state_dict_shapes
@@ -27,7 +32,16 @@ CODEC_FILE = "codec.pth"
 CODEC_MODULE = "codec"  # the codec's attribute in FishOmniForSpeech, and its prefix in the model's state dict
 
 
-def read_codec_file(directory: str, config: FishDACConfig) -> dict[str, torch.Tensor]:
+class CodecFileStateDict(dict):
+    """The state dict of a `codec.pth` (name -> tensor, memory-mapped where the file allows) that also knows the file
+    it was read from (`path`), so that `attach_codec` builds the codec in place from that file."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor], path: str | os.PathLike):
+        super().__init__(state_dict)
+        self.path = Path(path)
+
+
+def read_codec_file(directory: str, config: FishDACConfig) -> CodecFileStateDict:
     """The state dict of `directory/codec.pth`, checked against `config` (every key and shape; either layout) before
     any weight is used. Raises `Drama3CheckpointError` if the file is missing, `FishDACLoadError` if it cannot be
     used; the file is read with `weights_only=True` (`load_codec_state_dict`), so a pickled object is never run."""
@@ -37,7 +51,7 @@ def read_codec_file(directory: str, config: FishDACConfig) -> dict[str, torch.Te
     state_dict = load_codec_state_dict(path)
     with torch.device("meta"):
         check_codec_state_dict(FishDACCodec(config), state_dict)
-    return state_dict
+    return CodecFileStateDict(state_dict, path)
 
 
 def original_codec_key_shapes(config: FishDACConfig) -> dict[str, tuple[int, ...]]:
@@ -77,8 +91,16 @@ def take_codec_placement(device_map):
 def attach_codec(model, state_dict: dict[str, torch.Tensor], device: torch.device | None = None) -> None:
     """Give a model loaded without its codec (`FishOmniForSpeech(config, with_codec=False)`) the codec built from
     `state_dict` (`read_codec_file`), in float32, on `device` (default: the model's input device). The weights are
-    folded on the CPU, as the reference folds them, then moved."""
-    codec = FishDACCodec.from_codec_state_dict(state_dict, model.config.codec_config)
+    folded on the CPU, as the reference folds them, then moved.
+
+    A state dict read from a file (`CodecFileStateDict`) gives a codec built in place from that file, its encoding
+    side waiting for the first `encode` (`FishDACCodec.from_codec_file(..., defer_encoding_side=True)`): on the CPU
+    the codec's resident memory is then the decoding side's weights alone. Any other state dict is copied."""
+    config = model.config.codec_config
+    if isinstance(state_dict, CodecFileStateDict):
+        codec = FishDACCodec.from_codec_file(state_dict.path, config, defer_encoding_side=True)
+    else:
+        codec = FishDACCodec.from_codec_state_dict(state_dict, config)
     setattr(model, CODEC_MODULE, codec.to(device if device is not None else model.input_device))
 
 
@@ -89,9 +111,13 @@ def without_codec(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
 
 def write_codec_file(codec: FishDACCodec, directory: str) -> None:
     """Write `directory/codec.pth` in the original layout (`codec.original_state_dict()`), which the official tools
-    read and which `read_codec_file` and `FishDACCodec.from_codec_file` load back to the same weights, bit for bit."""
-    torch.save(codec.original_state_dict(), os.path.join(directory, CODEC_FILE))
+    read and which `read_codec_file` and `FishDACCodec.from_codec_file` load back to the same weights, bit for bit.
+
+    Written to a new file that then replaces the old one: a codec loaded from the old file keeps its weights in that
+    file's memory map, so the old file must never be rewritten in place (saving a model over its own checkpoint)."""
+    state_dict = codec.original_state_dict()
+    write_atomically(os.path.join(directory, CODEC_FILE), lambda file: torch.save(state_dict, file))
 
 
-__all__ = ["CODEC_FILE", "CODEC_MODULE", "attach_codec", "original_codec_key_shapes", "read_codec_file",
+__all__ = ["CODEC_FILE", "CODEC_MODULE", "CodecFileStateDict", "attach_codec", "original_codec_key_shapes", "read_codec_file",
            "take_codec_placement", "without_codec", "write_codec_file"]

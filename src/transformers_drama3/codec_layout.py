@@ -8,16 +8,27 @@ reference's own folding), unfolding for saving, the strict key and shape check, 
 
 It walks the codec's module tree by attribute (`codec.encoder.blocks`, ...) and imports nothing from
 `modeling_codec`; `FishDACCodec.from_codec_file`, `load_original_state_dict` and `original_state_dict` call it.
+
+A codec may hold only some of its parts: one loaded from a file with its encoding side left for first use
+(`ENCODING_SIDE`, `FishDACCodec.load_encoding_side`) has `None` in their place. The layout, the checks and
+`folded_state_dict` then cover the parts present; the whole-codec operations (`load_original_state_dict`,
+`load_codec_weights`, `original_state_dict`) load a waiting encoding side first.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+# The parts of the codec that only encoding uses (voice cloning), as paths in the codec; their keys begin with the same
+# names in both layouts (`encoder.`, `quantizer.downsample.`, `quantizer.pre_module.`). About half the codec's weights.
+ENCODING_SIDE = ("encoder", "quantizer.downsample", "quantizer.pre_module")
 
 
 class FishDACLoadError(ValueError):
@@ -25,37 +36,42 @@ class FishDACLoadError(ValueError):
 
 
 def _original_layout(codec: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
-    """`(original key prefix, format, module)` for every module holding weights, in `codec.pth` naming."""
+    """`(original key prefix, format, module)` for every module holding weights, in `codec.pth` naming; parts that
+    are `None` (not loaded) are left out."""
     encoder, quantizer, decoder = codec.encoder, codec.quantizer, codec.decoder
-    yield "encoder.block.0", "wn_conv", encoder.input_conv
-    for index, block in enumerate(encoder.blocks, start=1):
-        for unit_index, unit in enumerate(block.residual_units):
-            yield from _residual_unit_layout(f"encoder.block.{index}.block.{unit_index}", unit)
-        yield f"encoder.block.{index}.block.3", "snake", block.snake
-        yield f"encoder.block.{index}.block.4", "wn_conv", block.downsample
-        if block.transformer is not None:
-            yield f"encoder.block.{index}.block.5", "transformer", block.transformer
-    yield f"encoder.block.{len(encoder.blocks) + 1}", "snake", encoder.output_snake
-    yield f"encoder.block.{len(encoder.blocks) + 2}", "wn_conv", encoder.output_conv
+    if encoder is not None:
+        yield "encoder.block.0", "wn_conv", encoder.input_conv
+        for index, block in enumerate(encoder.blocks, start=1):
+            for unit_index, unit in enumerate(block.residual_units):
+                yield from _residual_unit_layout(f"encoder.block.{index}.block.{unit_index}", unit)
+            yield f"encoder.block.{index}.block.3", "snake", block.snake
+            yield f"encoder.block.{index}.block.4", "wn_conv", block.downsample
+            if block.transformer is not None:
+                yield f"encoder.block.{index}.block.5", "transformer", block.transformer
+        yield f"encoder.block.{len(encoder.blocks) + 1}", "snake", encoder.output_snake
+        yield f"encoder.block.{len(encoder.blocks) + 2}", "wn_conv", encoder.output_conv
 
-    yield "quantizer.semantic_quantizer.quantizers.0", "vq", quantizer.codebooks[0]
-    for index, vq in enumerate(quantizer.codebooks[1:]):
-        yield f"quantizer.quantizer.quantizers.{index}", "vq", vq
+    if quantizer.codebooks is not None:
+        yield "quantizer.semantic_quantizer.quantizers.0", "vq", quantizer.codebooks[0]
+        for index, vq in enumerate(quantizer.codebooks[1:]):
+            yield f"quantizer.quantizer.quantizers.{index}", "vq", vq
     for name, stages in (("downsample", quantizer.downsample), ("upsample", quantizer.upsample)):
-        for index, stage in enumerate(stages):
+        for index, stage in enumerate(stages or ()):
             yield f"quantizer.{name}.{index}.0", "conv", stage.conv
             yield f"quantizer.{name}.{index}.1", "convnext", stage.convnext
-    yield "quantizer.pre_module", "transformer", quantizer.pre_module
-    yield "quantizer.post_module", "transformer", quantizer.post_module
+    for name in ("pre_module", "post_module"):
+        if getattr(quantizer, name) is not None:
+            yield f"quantizer.{name}", "transformer", getattr(quantizer, name)
 
-    yield "decoder.model.0", "wn_conv", decoder.input_conv
-    for index, block in enumerate(decoder.blocks, start=1):
-        yield f"decoder.model.{index}.block.0", "snake", block.snake
-        yield f"decoder.model.{index}.block.1", "wn_conv", block.upsample
-        for unit_index, unit in enumerate(block.residual_units, start=2):
-            yield from _residual_unit_layout(f"decoder.model.{index}.block.{unit_index}", unit)
-    yield f"decoder.model.{len(decoder.blocks) + 1}", "snake", decoder.output_snake
-    yield f"decoder.model.{len(decoder.blocks) + 2}", "wn_conv", decoder.output_conv
+    if decoder is not None:
+        yield "decoder.model.0", "wn_conv", decoder.input_conv
+        for index, block in enumerate(decoder.blocks, start=1):
+            yield f"decoder.model.{index}.block.0", "snake", block.snake
+            yield f"decoder.model.{index}.block.1", "wn_conv", block.upsample
+            for unit_index, unit in enumerate(block.residual_units, start=2):
+                yield from _residual_unit_layout(f"decoder.model.{index}.block.{unit_index}", unit)
+        yield f"decoder.model.{len(decoder.blocks) + 1}", "snake", decoder.output_snake
+        yield f"decoder.model.{len(decoder.blocks) + 2}", "wn_conv", decoder.output_conv
 
 
 def _residual_unit_layout(prefix: str, unit: nn.Module) -> Iterator[tuple[str, str, nn.Module]]:
@@ -83,10 +99,9 @@ def _wn_conv_shapes(conv: nn.Module) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _load_wn_conv(conv: nn.Module, tensors: dict[str, Tensor]) -> None:
-    conv.weight.copy_(_fold_weight_norm(tensors["conv.parametrizations.weight.original0"],
-                                        tensors["conv.parametrizations.weight.original1"]))
-    conv.bias.copy_(tensors["conv.bias"])
+def _wn_conv_weights(conv: nn.Module, kept: dict[str, Tensor], read: dict[str, Tensor]) -> dict[str, Tensor]:
+    weight = _fold_weight_norm(read["conv.parametrizations.weight.original0"], read["conv.parametrizations.weight.original1"])
+    return {"weight": weight, "bias": kept["conv.bias"].float()}
 
 
 def _vq_shapes(vq: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -103,15 +118,14 @@ def _vq_shapes(vq: nn.Module) -> dict[str, tuple[int, ...]]:
     }
 
 
-def _load_vq(vq: nn.Module, tensors: dict[str, Tensor]) -> None:
-    in_proj = _fold_weight_norm(tensors["in_proj.weight_g"], tensors["in_proj.weight_v"])[..., 0]  # [cb_dim, dim]
-    out_proj = _fold_weight_norm(tensors["out_proj.weight_g"], tensors["out_proj.weight_v"])[..., 0]  # [dim, cb_dim]
-    vq.in_proj.weight.copy_(in_proj)
-    vq.in_proj.bias.copy_(tensors["in_proj.bias"])
-    vq.codebook.copy_(tensors["codebook.weight"])
-    vq.out_proj.weight.copy_(out_proj)
-    vq.out_proj.bias.copy_(tensors["out_proj.bias"])
-    vq.fold()  # [size, dim]
+def _vq_weights(vq: nn.Module, kept: dict[str, Tensor], read: dict[str, Tensor]) -> dict[str, Tensor]:
+    in_proj = _fold_weight_norm(read["in_proj.weight_g"], read["in_proj.weight_v"])[..., 0]  # [cb_dim, dim]
+    out_proj = _fold_weight_norm(read["out_proj.weight_g"], read["out_proj.weight_v"])[..., 0]  # [dim, cb_dim]
+    return {"in_proj.weight": in_proj, "in_proj.bias": kept["in_proj.bias"].float(),
+            "codebook": kept["codebook.weight"].float(), "out_proj.weight": out_proj,
+            "out_proj.bias": kept["out_proj.bias"].float(),
+            # the lookup table of decoding: `out_proj` applied to every codebook entry, [size, dim]
+            "table": F.linear(read["codebook.weight"].float(), out_proj, read["out_proj.bias"].float())}
 
 
 def _weight_norm_parts(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -143,25 +157,25 @@ def _renamed(rename: Callable[[str], str]) -> tuple[Callable, Callable, Callable
     def shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
         return {rename(name): tuple(p.shape) for name, p in module.named_parameters()}
 
-    def load(module: nn.Module, tensors: dict[str, Tensor]) -> None:
-        for name, param in module.named_parameters():
-            param.copy_(tensors[rename(name)])
+    def weights(module: nn.Module, kept: dict[str, Tensor], read: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {name: kept[rename(name)].float() for name, _ in module.named_parameters()}
 
     def dump(module: nn.Module) -> dict[str, Tensor]:
         return {rename(name): param.detach().float() for name, param in module.named_parameters()}
 
-    return shapes, load, dump
+    return shapes, weights, dump
 
 
-# format -> (original tensor shapes of a module, loader of those tensors into the module, the module's tensors in
-# the original layout)
+# format -> (original tensor shapes of a module; the module's own float32 parameters from its original tensors, given
+# twice: `kept`, whose tensors may become the module's as they are, and `read`, the same tensors read only to fold
+# them; the module's tensors in the original layout)
 _FORMATS: dict[str, tuple[Callable, Callable, Callable]] = {
     "snake": _renamed(lambda name: name),
-    "wn_conv": (_wn_conv_shapes, _load_wn_conv, _dump_wn_conv),
+    "wn_conv": (_wn_conv_shapes, _wn_conv_weights, _dump_wn_conv),
     "conv": _renamed(lambda name: f"conv.{name}"),
     "convnext": _renamed(lambda name: name.replace("dwconv.", "dwconv.conv.")),
     "transformer": _renamed(lambda name: name),
-    "vq": (_vq_shapes, _load_vq, _dump_vq),
+    "vq": (_vq_shapes, _vq_weights, _dump_vq),
 }
 
 
@@ -179,19 +193,75 @@ def original_state_dict_shapes(codec: nn.Module) -> dict[str, tuple[int, ...]]:
             for key, shape in _prefixed(prefix, _FORMATS[kind][0](module))}
 
 
+def encoding_side_state_dict(state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The tensors of a `codec.pth` state dict (either layout) that belong to the encoding side (`ENCODING_SIDE`)."""
+    prefixes = tuple(f"{path}." for path in ENCODING_SIDE)
+    return {key: tensor for key, tensor in state_dict.items() if key.startswith(prefixes)}
+
+
+def _present_parts_only(codec: nn.Module, state_dict: dict[str, Tensor]) -> dict[str, Tensor]:
+    """`state_dict` without the keys of the encoding-side parts that `codec` does not hold (`ENCODING_SIDE`)."""
+    absent = tuple(f"{path}." for path in ENCODING_SIDE if _part(codec, path) is None)
+    return {key: tensor for key, tensor in state_dict.items() if not key.startswith(absent)} if absent else state_dict
+
+
+def _part(codec: nn.Module, path: str) -> nn.Module | None:
+    module = codec
+    for name in path.split("."):
+        module = getattr(module, name)
+    return module
+
+
+def _own_shapes(codec: nn.Module) -> dict[str, tuple[int, ...]]:
+    """The shapes of `codec`'s own (folded) state dict, parts present only. `nn.Module.state_dict` itself: a codec's
+    `state_dict` loads a waiting encoding side first."""
+    return {key: tuple(tensor.shape) for key, tensor in nn.Module.state_dict(codec, keep_vars=True).items()}
+
+
+def _load_waiting_encoding_side(codec: nn.Module) -> None:
+    """Load `codec`'s encoding side now if it waits for first use (`FishDACCodec.load_encoding_side`)."""
+    load = getattr(codec, "load_encoding_side", None)
+    if load is not None:
+        load()
+
+
+def folded_state_dict(codec: nn.Module, state_dict: dict[str, Tensor],
+                      read_from: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+    """`codec`'s own state dict (the folded layout, float32), for the parts `codec` holds, from a `codec.pth` state dict
+    in either layout (checked first: `check_codec_state_dict`).
+
+    Tensors that the codec keeps as stored are taken from `state_dict` as they are (float32 ones are the very same
+    tensors: no copy, so a memory-mapped file's pages become the codec's weights). Folded ones (weight norm, the VQ
+    lookup tables) are computed from the same tensors of `read_from` (default: `state_dict`): a second memory map of
+    the file, whose pages, read only to fold them, go when it is dropped."""
+    check_codec_state_dict(codec, state_dict)
+    read_from = state_dict if read_from is None else read_from
+    if not is_original_layout(state_dict):
+        return {key: state_dict[key].float() for key in _own_shapes(codec)}
+    paths = {id(module): path for path, module in codec.named_modules()}
+    folded = {}
+    for prefix, kind, module in _original_layout(codec):
+        names = _FORMATS[kind][0](module)
+        kept = {name: state_dict[f"{prefix}.{name}"] for name in names}
+        read = {name: read_from[f"{prefix}.{name}"] for name in names}
+        with torch.no_grad():
+            weights = _FORMATS[kind][1](module, kept, read)
+        folded.update((f"{paths[id(module)]}.{name}", tensor) for name, tensor in weights.items())
+    return folded
+
+
 def load_original_state_dict(codec: nn.Module, state_dict: dict[str, Tensor]) -> None:
-    """Load a state dict in the original layout into `codec`, folding weight norm and the VQ output projections.
-    Strict: missing keys, unexpected keys and wrong shapes raise `FishDACLoadError` naming them."""
-    _check_keys_and_shapes(original_state_dict_shapes(codec), state_dict)
-    with torch.no_grad():
-        for prefix, kind, module in _original_layout(codec):
-            names = _FORMATS[kind][0](module)
-            _FORMATS[kind][1](module, {name: state_dict[f"{prefix}.{name}"] for name in names})
+    """Load a state dict in the original layout into `codec` (copied into its weights), folding weight norm and the
+    VQ output projections. Strict: missing keys, unexpected keys and wrong shapes raise `FishDACLoadError` naming
+    them."""
+    _load_waiting_encoding_side(codec)
+    codec.load_state_dict(folded_state_dict(codec, state_dict))
 
 
 def original_state_dict(codec: nn.Module) -> dict[str, Tensor]:
     """`codec`'s weights in the original layout (float32, weight norm and VQ output projections unfolded);
     `load_original_state_dict` folds them back to the same weights, bit for bit."""
+    _load_waiting_encoding_side(codec)
     return {f"{prefix}.{name}": tensor for prefix, kind, module in _original_layout(codec)
             for name, tensor in _FORMATS[kind][2](module).items()}
 
@@ -218,17 +288,17 @@ def _check_keys_and_shapes(expected: dict[str, tuple[int, ...]], state_dict: dic
 
 def check_codec_state_dict(codec: nn.Module, state_dict: dict[str, Tensor]) -> None:
     """Raise `FishDACLoadError` naming what differs unless `state_dict` (original or folded layout) holds exactly the
-    tensors of `codec`, with their shapes. Reads shapes only, so `codec` may live on the meta device."""
-    if is_original_layout(state_dict):
-        expected = original_state_dict_shapes(codec)
-    else:
-        expected = {key: tuple(tensor.shape) for key, tensor in codec.state_dict().items()}
-    _check_keys_and_shapes(expected, state_dict)
+    tensors of `codec`, with their shapes; the keys of encoding-side parts that `codec` does not hold (yet) are not
+    looked at. Reads shapes only, so `codec` may live on the meta device."""
+    expected = original_state_dict_shapes(codec) if is_original_layout(state_dict) else _own_shapes(codec)
+    _check_keys_and_shapes(expected, _present_parts_only(codec, state_dict))
 
 
 def load_codec_weights(codec: nn.Module, state_dict: dict[str, Tensor]) -> None:
-    """Load a `codec.pth` state dict in either layout into `codec`, strictly: the original layout is folded while
-    loading (`load_original_state_dict`), the folded one is copied as it is. Every weight of `codec` is written."""
+    """Load a `codec.pth` state dict in either layout into `codec` (copied into its weights), strictly: the original
+    layout is folded while loading (`load_original_state_dict`), the folded one is copied as it is. Every weight of
+    `codec` is written (a waiting encoding side is loaded first, then overwritten)."""
+    _load_waiting_encoding_side(codec)
     check_codec_state_dict(codec, state_dict)
     if is_original_layout(state_dict):
         load_original_state_dict(codec, state_dict)
@@ -242,16 +312,39 @@ def load_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
     Unwraps `{"state_dict": ...}`, strips `generator.` prefixes and drops `...causal_mask` buffers. A file that
     holds pickled objects other than tensors is refused (never executed) with `FishDACLoadError`.
     """
+    return _read_state_dict(path)[0]
+
+
+def memory_maps(path: str | Path, count: int) -> list[dict[str, Tensor]] | None:
+    """`count` state dicts of `codec.pth` (as `load_codec_state_dict` reads it), each a memory map of its own: a
+    tensor costs memory only once its pages are read, and a map's pages go with the last tensor viewing them. None
+    for a file in the legacy format, which cannot be memory-mapped. Raises `FishDACLoadError` if the file is replaced
+    or rewritten while it is being read (the maps would not hold the same weights)."""
+    before = _identity(path)
+    maps = [_read_state_dict(path) for _ in range(count)]
+    if _identity(path) != before:
+        raise FishDACLoadError(f"{path} changed while it was being read; load it again")
+    return [state_dict for state_dict, _ in maps] if all(mapped for _, mapped in maps) else None
+
+
+def _identity(path: str | Path) -> tuple[int, ...]:
+    status = os.stat(path)
+    return status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns
+
+
+def _read_state_dict(path: str | Path) -> tuple[dict[str, Tensor], bool]:
+    """`load_codec_state_dict`'s state dict, and whether it is memory-mapped."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"codec file not found: {path}")
+    mapped = True
     try:
         try:
             loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         except RuntimeError as error:  # legacy (non-zip) files cannot be memory-mapped
             if "mmap" not in str(error):
                 raise
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded, mapped = torch.load(path, map_location="cpu", weights_only=True), False
     except (pickle.UnpicklingError, RuntimeError, EOFError, ValueError) as error:
         raise FishDACLoadError(
             f"{path} is not a tensors-only PyTorch state dict and was refused (it was loaded with weights_only=True, "
@@ -261,16 +354,22 @@ def load_codec_state_dict(path: str | Path) -> dict[str, Tensor]:
         loaded = loaded["state_dict"]
     if not isinstance(loaded, dict) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in loaded.items()):
         raise FishDACLoadError(f"{path} does not hold a state dict (a dict of name -> tensor)")
-    return {key.removeprefix("generator."): value for key, value in loaded.items() if not key.endswith("causal_mask")}
+    state_dict = {key.removeprefix("generator."): value for key, value in loaded.items()
+                  if not key.endswith("causal_mask")}
+    return state_dict, mapped
 
 
 __all__ = [
+    "ENCODING_SIDE",
     "FishDACLoadError",
     "check_codec_state_dict",
+    "encoding_side_state_dict",
+    "folded_state_dict",
     "is_original_layout",
     "load_codec_state_dict",
     "load_codec_weights",
     "load_original_state_dict",
+    "memory_maps",
     "original_state_dict",
     "original_state_dict_shapes",
 ]

@@ -15,13 +15,17 @@ optional `state` dict for this; `None` means a one-shot call over the whole sequ
 
 Weights: a Drama 3 checkpoint keeps the codec in `codec.pth`, in the original layout (`FishDACCodec.from_codec_file`;
 `codec_layout.py` knows that layout), which is folded once while loading (weight norm, VQ output projections). The
-folded codec is what `state_dict()`, `save_pretrained` and `from_pretrained` hold.
+folded codec is what `state_dict()`, `save_pretrained` and `from_pretrained` hold. Read from `codec.pth`, the codec's
+weights are the file's own memory-mapped pages wherever no folding is needed, and its encoding side (only voice
+cloning uses it: about half the weights) can wait for first use (`defer_encoding_side=True`, what
+`FishOmniForSpeech.from_pretrained` does): docs/codec.md#memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,10 +52,14 @@ from .codec_blocks import (
     StreamState,
 )
 from .codec_layout import (
+    ENCODING_SIDE,
     check_codec_state_dict,
+    encoding_side_state_dict,
+    folded_state_dict,
     load_codec_state_dict,
     load_codec_weights,
     load_original_state_dict,
+    memory_maps,
     original_state_dict,
 )
 from .codes import check_codes
@@ -154,8 +162,9 @@ class FishDACDecoder(nn.Module):
 class FishDACVectorQuantizer(nn.Module):
     """One codebook. Encode: nearest entry by cosine similarity of `in_proj(z)`; decode: row of a folded table.
 
-    `table[i] = out_proj(codebook[i])` (`[codebook_size, dim]`, bias included) is folded at load time, so decoding
-    a code is a single lookup; `out_proj` itself is kept for writing the original `codec.pth` layout back.
+    `table[i] = out_proj(codebook[i])` (`[codebook_size, dim]`, bias included) is folded at load time
+    (`codec_layout.folded_state_dict`), so decoding a code is a single lookup; `out_proj` itself is kept for writing the
+    original `codec.pth` layout back.
     """
 
     def __init__(self, dim: int, codebook_size: int, codebook_dim: int):
@@ -164,11 +173,6 @@ class FishDACVectorQuantizer(nn.Module):
         self.codebook = nn.Parameter(torch.zeros(codebook_size, codebook_dim))
         self.out_proj = nn.Linear(codebook_dim, dim)
         self.table = nn.Parameter(torch.zeros(codebook_size, dim))
-
-    @torch.no_grad()
-    def fold(self) -> None:
-        """Recompute `table` from `codebook` and `out_proj` (after either changed)."""
-        self.table.copy_(self.out_proj(self.codebook.float()).to(self.table.dtype))
 
     def encode(self, z: Tensor) -> Tensor:  # [batch, dim, time] -> ids [batch, time]
         latents = F.normalize(self.in_proj(z.transpose(1, 2)), dim=-1)  # [batch, time, codebook_dim]
@@ -332,7 +336,9 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
 
     - `FishDACCodec.from_pretrained` / `save_pretrained` / `AutoModel.from_pretrained` work as for any transformers
       model (`model_type "fish_dac"`, a `FishDACConfig`, the folded weights in safetensors);
-    - `FishDACCodec.from_codec_file(path, config)` reads a `codec.pth` (the codec of a Drama 3 checkpoint);
+    - `FishDACCodec.from_codec_file(path, config)` reads a `codec.pth` (the codec of a Drama 3 checkpoint), in place:
+      with `defer_encoding_side=True` the encoding side (`encoder`, `quantizer.downsample`, `quantizer.pre_module`)
+      stays `None` until the first `encode` (or `load_encoding_side()`) loads it;
     - `FishDACCodec(config)` has random weights.
 
     It runs in float32 unless converted (`codec.to(torch.bfloat16)`); audio is always returned as float32. On CUDA it
@@ -357,6 +363,7 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         self.encoder = FishDACEncoder(config)
         self.quantizer = FishDACQuantizer(config)
         self.decoder = FishDACDecoder(config)
+        self._encoding_side_source: _EncodingSideSource | None = None  # set while the encoding side waits
         self.post_init()
 
     @classmethod
@@ -388,11 +395,29 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
             init.ones_(module.gamma)
 
     @classmethod
-    def from_codec_file(cls, path: str | Path, config: FishDACConfig | None = None) -> FishDACCodec:
+    def from_codec_file(cls, path: str | Path, config: FishDACConfig | None = None, *,
+                        defer_encoding_side: bool = False) -> FishDACCodec:
         """The codec for `config` (default: the real Drama 3 codec) with the weights of a `codec.pth` file: the original
-        layout of a Drama 3 checkpoint, or the folded one that `FishOmniForSpeech.save_pretrained` writes. On the CPU,
-        in float32 and in eval mode (see `from_codec_state_dict`)."""
-        return cls.from_codec_state_dict(load_codec_state_dict(path), config)
+        layout of a Drama 3 checkpoint, or the folded one. On the CPU, in float32 and in eval mode; keys and shapes are
+        checked before any weight is read.
+
+        Built in place: the file is memory-mapped, its float32 tensors that need no folding become the codec's weights
+        as they are (no copy, and no page is read before the codec uses it), and folded ones are computed from a
+        second map of the file that is dropped afterwards. So loading holds no second copy of the weights.
+        `defer_encoding_side=True` leaves the encoding side to the first `encode` (`load_encoding_side`). A file in
+        the legacy format, which cannot be memory-mapped, is read into memory and loaded whole (`from_codec_state_dict`).
+        """
+        maps = memory_maps(path, 4 if defer_encoding_side else 2)
+        if maps is None:
+            return cls.from_codec_state_dict(load_codec_state_dict(path), config)
+        with torch.device("meta"):
+            codec = cls(config if config is not None else FishDACConfig())
+        check_codec_state_dict(codec, maps[0])  # the whole file, the encoding side too
+        if defer_encoding_side:
+            _set_encoding_side(codec, None, None, None)
+            codec._encoding_side_source = _EncodingSideSource(*maps[2:])
+        codec.load_state_dict(folded_state_dict(codec, maps[0], maps[1]), assign=True)
+        return codec.eval()
 
     @classmethod
     def from_codec_state_dict(cls, state_dict: dict[str, Tensor], config: FishDACConfig | None = None) -> FishDACCodec:
@@ -420,6 +445,48 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
             return FishDACDecoderOutput(torch.zeros(codes.shape[0], 1, 0, device=device))
         return FishDACDecoderOutput(self.decoder(self.quantizer.decode(codes)).float())  # [batch, 1, samples]
 
+    @property
+    def encoding_side_loaded(self) -> bool:
+        """False while the encoding side waits for first use (`from_codec_file(..., defer_encoding_side=True)`)."""
+        return self._encoding_side_source is None
+
+    def load_encoding_side(self) -> None:
+        """Load the encoding side now if it waits for first use (nothing otherwise): built in place from the maps of
+        `codec.pth` made when the codec was loaded, then placed on the codec's device in the dtype of its codebooks'
+        input projections (the encoding weights that are always loaded). Once, and safe to call from several threads:
+        `encode`, `state_dict`, `original_state_dict` and weight loads call it."""
+        source = self._encoding_side_source
+        if source is None:
+            return
+        # Weights made inside a caller's inference mode (the processor encodes in one) would be inference tensors,
+        # which autograd refuses for the rest of the codec's life: they are made outside it.
+        with source.lock, torch.inference_mode(False), torch.no_grad():
+            if self._encoding_side_source is None:  # another thread loaded it meanwhile
+                return
+            with torch.device("meta"):
+                part = type(self)(self.config)
+            part.decoder = part.quantizer.codebooks = part.quantizer.post_module = part.quantizer.upsample = None
+            weights = folded_state_dict(part, *(encoding_side_state_dict(m) for m in (source.kept, source.read)))
+            part.load_state_dict(weights, assign=True)
+            reference = self.quantizer.codebooks[0].in_proj.weight
+            device = execution_device(self)
+            loaded = [module.to(device, reference.dtype).requires_grad_(reference.requires_grad).train(self.training)
+                      for module in _encoding_side(part)]
+            _set_encoding_side(self, *loaded)  # each replaces a None: a thread walking the modules meanwhile is safe
+            self._encoding_side_source = None
+
+    def state_dict(self, *args, **kwargs) -> dict[str, Tensor]:
+        """The folded weights, the encoding side included (loaded first if it waits: `load_encoding_side`)."""
+        self.load_encoding_side()
+        return super().state_dict(*args, **kwargs)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A state dict that holds encoding-side weights loads into a whole codec: a waiting encoding side is loaded
+        # first (and then overwritten), so that none of its weights is unexpected or left as it was.
+        if any(key.startswith(tuple(f"{prefix}{path}." for path in ENCODING_SIDE)) for key in state_dict):
+            self.load_encoding_side()
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     @_codec_inference
     def encode(self, audio: Tensor, sampling_rate: int) -> FishDACEncoderOutput:
         """Float audio -> `FishDACEncoderOutput` whose `audio_codes` are `[batch, num_codebooks, ceil(samples /
@@ -432,6 +499,7 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         the codes are returned on the codec's device.
         """
         audio = _mono_audio(audio, sampling_rate)  # [batch, samples]
+        self.load_encoding_side()
         audio = resample_audio(audio, int(sampling_rate), self.config.sample_rate)
         audio = F.pad(audio, (0, -audio.shape[-1] % self.config.frame_length))
         audio = audio.to(execution_device(self), self.dtype)  # one copy to the codec's device, if any
@@ -464,6 +532,33 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         unfolded), as the official tools read it; `load_original_state_dict` folds them back to the same weights,
         bit for bit."""
         return original_state_dict(self)
+
+
+class _EncodingSideSource:
+    """What a waiting encoding side is loaded from: two memory maps of the codec's `codec.pth` made with the codec's
+    own (`kept`: tensors that become weights; `read`: tensors read only to fold), so that it has the weights of the
+    file the rest came from even if that file is replaced later. A map costs memory only for the pages read."""
+
+    def __init__(self, kept: dict[str, Tensor], read: dict[str, Tensor]):
+        self.kept, self.read, self.lock = kept, read, threading.Lock()
+
+    def __deepcopy__(self, memo) -> _EncodingSideSource:
+        return self  # read-only maps of one file: a copy of the codec loads from the same ones
+
+    def __getstate__(self) -> dict:
+        return {"kept": self.kept, "read": self.read}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["kept"], state["read"])
+
+
+def _encoding_side(codec: FishDACCodec) -> tuple[nn.Module | None, ...]:
+    """The modules of `ENCODING_SIDE`, in its order."""
+    return codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module
+
+
+def _set_encoding_side(codec: FishDACCodec, encoder, downsample, pre_module) -> None:
+    codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module = encoder, downsample, pre_module
 
 
 class FishDACStreamingDecoder:

@@ -1,12 +1,13 @@
 """The CPU path (cpu_path.py, cpu_weights.py): which path a CPU load takes, and its products and frames against the
 float32 reference.
 
-Which path runs is read from the model (`model.cpu_path`), never from a CPU flag: "auto" is bfloat16 on CPUs with
-native bfloat16, float16 elsewhere, and these tests hold on either.
+Which path runs is read from the model (`model.cpu_path`), never from a CPU flag: "auto" is float16 on every CPU.
 
 Tolerances are first-order rounding bounds of the formats (unit roundoff u: float16 2^-11, bfloat16 2^-8):
-- a float16 product rounds each weight and each input by at most u relative, accumulates in float32 and rounds its
-  output by u: `|y' - y| <= 2u * sum_i |x_i w_i| + u |y|` (float32's own rounding, ~K * 2^-24, is far below);
+- a float16 product of up to `FLOAT16_ROWS` rows rounds each weight and each input by at most u relative,
+  accumulates in float32 and rounds its output by u: `|y' - y| <= 2u * sum_i |x_i w_i| + u |y|`; one of more rows
+  rounds only the weights: `|y' - y| <= u * sum_i |x_i w_i|`; float32's own rounding, at most `K * 2^-24 *
+  sum_i |x_i w_i|` for K inputs, is added to both;
 - an int8 product rounds each weight of row r by at most `s_r / 2` (s_r its row's scale), its bfloat16 input by u and
   its bfloat16 output by u: `|y' - y| <= s_r / 2 * sum_i |x_i| + u * sum_i |x_i w_i| + u |y|`.
 Greedy frames: the fast path's frames equal the reference's up to the first frame where the reference's top-2 margin
@@ -21,13 +22,8 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 
 from tests.conftest import GOLDEN_TINY
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
-from transformers_drama3.cpu_path import (
-    ENVIRONMENT_VARIABLE,
-    apply_cpu_path,
-    native_bfloat16,
-    resolve_cpu_path,
-)
-from transformers_drama3.cpu_weights import CpuExperts, CpuLinear, stored
+from transformers_drama3.cpu_path import ENVIRONMENT_VARIABLE, apply_cpu_path, resolve_cpu_path
+from transformers_drama3.cpu_weights import FLOAT16_ROWS, CpuExperts, CpuLinear, stored
 
 FLOAT16_U = 2.0**-11
 BFLOAT16_U = 2.0**-8
@@ -45,16 +41,18 @@ def product_bound(x: torch.Tensor, weight: torch.Tensor, weight_format: str, sca
     magnitude = x.abs() @ weight.abs().T  # [n, out] sum_i |x_i w_i|
     exact = (x @ weight.T).abs()
     if weight_format == "float16":
-        return 2 * FLOAT16_U * magnitude + FLOAT16_U * exact
+        float32_rounding = x.shape[-1] * 2.0**-24 * magnitude
+        if x.shape[0] <= FLOAT16_ROWS:
+            return 2 * FLOAT16_U * magnitude + FLOAT16_U * exact + float32_rounding
+        return FLOAT16_U * magnitude + float32_rounding
     return x.abs().sum(-1, keepdim=True) * scale.float()[None] / 2 + BFLOAT16_U * (magnitude + exact)
 
 
-def test_a_plain_load_on_this_cpu_takes_the_path_this_cpu_offers(default_path):
+def test_a_plain_load_on_a_cpu_takes_the_float16_path(default_path):
     model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY)
-    expected = "bfloat16" if native_bfloat16() else "float16"
-    assert model.cpu_path == resolve_cpu_path() == expected
+    assert model.cpu_path == resolve_cpu_path() == "float16"
     weight = model.tower.residual_layers[0].transformer_layer.feed_forward.w1.weight
-    assert weight.dtype == getattr(torch, expected)
+    assert weight.dtype == torch.float16
     assert next(model.codec.parameters()).dtype == torch.float32
 
 
@@ -80,16 +78,17 @@ def test_bad_paths_are_refused_before_loading(default_path, monkeypatch, tmp_pat
         FishOmniForSpeech.from_pretrained(tmp_path / "missing")
 
 
+@pytest.mark.parametrize("rows", [1, FLOAT16_ROWS, FLOAT16_ROWS + 1, 10])
 @pytest.mark.parametrize("weight_format", ["float16", "int8"])
-def test_a_cpu_linear_is_within_its_rounding_bound(weight_format):
+def test_a_cpu_linear_is_within_its_rounding_bound(weight_format, rows):
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
     torch.nn.init.normal_(linear.weight, std=0.3, generator=generator)
-    x = torch.randn(2, 5, 64, generator=generator)
+    x = torch.randn(1, rows, 64, generator=generator)
     fast = CpuLinear(linear, weight_format)
     with torch.no_grad():
         expected, actual = linear(x), fast(x)
-        bound = product_bound(x.view(-1, 64), linear.weight, weight_format, fast.scale).view(2, 5, 48)
+        bound = product_bound(x.view(-1, 64), linear.weight, weight_format, fast.scale).view(1, rows, 48)
     assert actual.dtype == torch.float32
     assert ((actual - expected).abs() <= bound).all()
     assert (actual - expected).abs().max() > 0  # the weights really are rounded

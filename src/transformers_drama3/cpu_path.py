@@ -1,20 +1,27 @@
-"""The CPU path: the weight format a model loaded for a CPU runs in, chosen from what this CPU offers, at run time.
+"""The CPU path: the weight format a model loaded for a CPU runs in.
 
-- `"bfloat16"`: on a CPU with native bfloat16 arithmetic (AVX512-BF16 or AMX, as torch detects them): the backbone,
-  lm_head and tower in bfloat16 (half the bytes of float32, products in the CPU's bfloat16 instructions).
-- `"float16"`: on any other CPU: the dense linears of the backbone and the tower, and the routed experts, with
+- `"float16"` (what `"auto"` takes): the dense linears of the backbone and the tower, and the routed experts, with
   float16 weights over float32 activations (cpu_weights.py); norms, embeddings, the router, lm_head and the codec stay
   float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU frame.
-- `"int8"` (only when asked for): the same parts in weight-only int8, a quarter of the float32 bytes but ~30x the
-  rounding error of float16 and, on the CPUs measured, no faster (docs/performance.md, "The CPU path").
+- `"bfloat16"` (only when asked for): the backbone, lm_head and tower in bfloat16, activations too (half the bytes
+  of float32; the checkpoint's own bfloat16 weights, kept in its memory map). FP8 experts as shipped stay in their
+  module, their values and scales in bfloat16, dequantised at each call.
+- `"int8"` (only when asked for): the same parts as float16 in weight-only int8, a quarter of the float32 bytes but
+  ~30x the rounding error of float16 (docs/performance.md, "The CPU path").
 - `"float32"`: everything in float32, the exact reference (what the CPU path is compared with).
 
-`"auto"` (the default of `FishOmniForSpeech.from_pretrained` on a machine with no accelerator, and so of `pipeline`,
-the commands, the server and jobs on a CPU) is bfloat16 where the CPU has it natively, else float16. The
-`DRAMA3_CPU_PATH` environment variable or `cpu_path=` chooses another; an explicit `dtype` keeps the plain load in
-that dtype (`--dtype float32` for the commands). The codec always stays float32. The path a model took is
-`model.cpu_path` (None when the model was not loaded for a CPU): tests and benchmarks read it, never a CPU flag.
-docs/usage.md#the-cpu-path.
+Why float16 on every CPU, those with native bfloat16 (AVX512-BF16, AMX) included: a decode step multiplies one row
+by each weight, and torch runs a one-row float16 product with its own matrix-vector kernel, but a bfloat16 one, on
+CPUs with native bfloat16, through oneDNN, which was twice as slow for one row. On an AMD EPYC with AVX512-BF16
+(Zen 4, torch 2.13, 1 thread) a frame of the `small` checkpoint took 50-59 ms of CPU in float16 against 107-108 in
+bfloat16 and 141-148 in float32; on an AVX2 CPU float16 was as fast as int8 and 2.1x float32 (docs/performance.md,
+"The CPU path"; benchmarks/cpu_path.py, benchmarks/cpu_weight_formats.py).
+
+`"auto"` is the default of `FishOmniForSpeech.from_pretrained` on a machine with no accelerator, and so of
+`pipeline`, the commands, the server and jobs on a CPU. The `DRAMA3_CPU_PATH` environment variable or `cpu_path=`
+chooses another; an explicit `dtype` keeps the plain load in that dtype (`--dtype float32` for the commands). The
+codec always stays float32. The path a model took is `model.cpu_path` (None when the model was not loaded for a CPU):
+tests and benchmarks read it, never a CPU flag. docs/usage.md#the-cpu-path.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ ENVIRONMENT_VARIABLE = "DRAMA3_CPU_PATH"
 
 
 def native_bfloat16() -> bool:
-    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), as torch's own kernels see it."""
+    """Whether this CPU computes bfloat16 natively (AVX512-BF16 or AMX tiles), as torch's own kernels see it (and so
+    sends bfloat16 products to oneDNN): what the benchmarks report beside their figures."""
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
@@ -53,11 +61,10 @@ def requested_cpu_path(value: str | None = None) -> str:
 
 
 def resolve_cpu_path(value: str | None = None) -> str:
-    """The concrete path (`"bfloat16"`, `"float16"`, `"int8"` or `"float32"`) for the request `value` on this CPU."""
+    """The concrete path (`"bfloat16"`, `"float16"`, `"int8"` or `"float32"`) for the request `value`: `"auto"` is
+    float16 (module docstring)."""
     requested = requested_cpu_path(value)
-    if requested != "auto":
-        return requested
-    return "bfloat16" if native_bfloat16() else "float16"
+    return "float16" if requested == "auto" else requested
 
 
 def load_dtype(path: str) -> torch.dtype:

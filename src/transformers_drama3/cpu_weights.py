@@ -1,12 +1,13 @@
 """Linears and routed experts with 16- or 8-bit weights over float32 activations: the weights of the CPU path
-(cpu_path.py) on CPUs without native bfloat16.
+(cpu_path.py).
 
 Two weight formats, each with torch's own CPU kernels (docs/performance.md, "The CPU path", has the measurements of
-every candidate on this machine kind):
+every candidate, `benchmarks/cpu_weight_formats.py`):
 
-- `"float16"`: weights rounded to float16 (relative error at most 2^-11); a product casts its input to float16, runs
-  `F.linear` (oneDNN's half-precision GEMM, accumulating in float32) and casts the output back. Half the bytes of
-  float32.
+- `"float16"`: weights rounded to float16 (relative error at most 2^-11). A product of up to `FLOAT16_ROWS` rows (a
+  decode step) casts its input to float16 and runs `F.linear`, which torch computes as one float16 matrix-vector
+  product per row, accumulating in float32; a product of more rows (a prefill) casts the weight to float32 instead,
+  since torch's float16 matrix product is row by row on CPUs without float16 arithmetic. Half the bytes of float32.
 - `"int8"`: symmetric per-row int8, `W ~ q * s` with `s[r] = max|W[r, :]| / 127` (error at most `s[r] / 2` per
   weight); the product is torch's weight-only int8 kernel `torch.ops.aten._weight_int8pack_mm` (the one torchao's
   int8 weight-only layout calls on a CPU), bfloat16 in and out, float32 accumulation. A quarter of the bytes.
@@ -31,6 +32,12 @@ WEIGHT_FORMATS = ("float16", "int8")
 INT8_COLUMN_MULTIPLE = 8
 # The int8 kernel's fast paths take bfloat16 activations (float32 ones ran ~8x slower on an AVX2 CPU).
 INT8_ACTIVATIONS = torch.bfloat16
+# The most rows a float16 product multiplies in float16. torch multiplies float16 one row at a time (a fast
+# matrix-vector kernel); casting the weight to float32 instead costs about two rows' time and then grows slowly with
+# the rows: on an AMD EPYC (Zen 4; AVX512-BF16, no float16 arithmetic) a [4096, 512] weight took 0.29 / 0.50 / 0.96 /
+# 0.95 ms for 1 / 2 / 3 / 4 rows in float16 against 0.50 / 0.75 / ~1.4 / 0.78 ms cast to float32, and 14.0 against
+# 4.8 ms for a 61-row prefill (1 thread; benchmarks/cpu_weight_formats.py --rows 1,2,3,4,61).
+FLOAT16_ROWS = 3
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,7 +60,9 @@ def stored(weight: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, ...]
 def product(x: torch.Tensor, weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
     """`x [..., in]` times the stored weight (`stored`) of one matrix `[out, in]` -> `[..., out]` in `x`'s dtype."""
     if len(weight) == 1:
-        return F.linear(x.to(torch.float16), weight[0]).to(x.dtype)
+        if x.numel() <= FLOAT16_ROWS * x.shape[-1]:
+            return F.linear(x.to(torch.float16), weight[0]).to(x.dtype)
+        return F.linear(x, weight[0].to(x.dtype))
     codes, scale = weight
     flat = x.reshape(-1, x.shape[-1]).to(INT8_ACTIVATIONS)
     return torch.ops.aten._weight_int8pack_mm(flat, codes, scale).view(*x.shape[:-1], codes.shape[0]).to(x.dtype)

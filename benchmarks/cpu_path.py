@@ -5,7 +5,10 @@ cpu_path=...)` and measures: the load; time to first audio (from the `generate` 
 by the processor, to the first streamed chunk of `Drama3AudioStreamer(first_chunk_frames=1)`: prefill, one frame and
 its audio), on the first call and on a later one; the frame step (`FrameState.step` as `generate` runs it, after a
 50-row prefill, median of `--frames` steps; CPU time of the thread too, steadier on a shared machine); 32 greedy frames
-through `generate` and their codec decode; the process's peak RSS. Paths run interleaved, `--rounds` times.
+through `generate` and their codec decode (one call for the 32 frames); the process's peak RSS (`ru_maxrss`, as
+`/usr/bin/time` reports it) and its RSS just before that one-shot decode. Wall times come with the process's CPU
+time (`*_cpu_s`, every thread), and each process reports the load average at its start. Paths run interleaved,
+`--rounds` times.
 
 The checkpoint is the `small` geometry of configs.py with a tower vocabulary of 4096 and the real Fish DAC codec, FP8
 experts as shipped, written once by the package's writer (`write_tiny_checkpoint`, seed 0) into the temp directory
@@ -59,6 +62,12 @@ def small_checkpoint() -> str:
     return path
 
 
+def resident_gib() -> float:
+    """This process's resident memory now (Linux's /proc/self/statm: resident pages), GiB."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
 def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
     """One process's figures (module docstring)."""
     import torch
@@ -68,29 +77,31 @@ def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
 
     from transformers_drama3 import Drama3AudioStreamer, Drama3Processor, FishOmniForSpeech
 
+    report = {"load_average": os.getloadavg()[0]}
     start = time.perf_counter()
     model = FishOmniForSpeech.from_pretrained(checkpoint, cpu_path=cpu_path).eval()
     processor = Drama3Processor.from_pretrained(checkpoint, codec=model.codec)
-    report = {"path": model.cpu_path, "load_s": time.perf_counter() - start,
-              "weights_gib": sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30}
+    report.update(path=model.cpu_path, load_s=time.perf_counter() - start,
+                  weights_gib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30)
     inputs = processor(TEXT)
     report["prompt_rows"] = inputs["input_ids"].shape[1]
-    first_audio = []
-    for _ in range(2):
+    for call in ("first", "later"):
         chunks = []
         streamer = Drama3AudioStreamer(model.codec, first_chunk_frames=1,
-                                       on_audio=lambda sequence, chunk: chunks.append(time.perf_counter()))
-        begin = time.perf_counter()
+                                       on_audio=lambda sequence, chunk: chunks.append((time.perf_counter(),
+                                                                                       time.process_time())))
+        begin, cpu = time.perf_counter(), time.process_time()
         model.generate(**inputs, max_new_tokens=1, do_sample=False, streamer=streamer, output_audio=False)
-        first_audio.append(chunks[0] - begin)
-    report["first_audio_first_call_s"], report["first_audio_later_call_s"] = first_audio
-    begin = time.perf_counter()
+        report[f"first_audio_{call}_call_s"] = chunks[0][0] - begin
+        report[f"first_audio_{call}_call_cpu_s"] = chunks[0][1] - cpu
+    begin, cpu = time.perf_counter(), time.process_time()
     out = model.generate(**inputs, max_new_tokens=32, do_sample=False, output_audio=False)
-    report["generate_32_s"] = time.perf_counter() - begin
+    report["generate_32_s"], report["generate_32_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
     report["generated_frames"] = len(out.codes[0][0])
-    begin = time.perf_counter()
+    report["rss_before_one_shot_decode_gib"] = resident_gib()
+    begin, cpu = time.perf_counter(), time.process_time()
     model.codec.decode(out.codes[0][None])
-    report["codec_32_s"] = time.perf_counter() - begin
+    report["codec_32_s"], report["codec_32_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
     prompt = torch.zeros(1, 50, 1 + model.config.num_codebooks, dtype=torch.long)
     prompt[..., 0] = torch.randint(0, model.config.eos_token_id, (1, 50), generator=torch.Generator().manual_seed(0))
     wall, cpu = [], []
@@ -129,8 +140,9 @@ def main() -> None:
                                     capture_output=True, text=True, env=environment, check=True)
             runs[path].append(json.loads(result.stdout.strip().splitlines()[-1]))
     reference = runs[paths[0]][0]["frames"]
-    names = ("step_ms", "step_cpu_ms", "generate_32_s", "codec_32_s", "first_audio_first_call_s",
-             "first_audio_later_call_s", "load_s", "peak_rss_gib", "weights_gib")
+    names = ("step_ms", "step_cpu_ms", "generate_32_s", "generate_32_cpu_s", "codec_32_s", "codec_32_cpu_s",
+             "first_audio_first_call_s", "first_audio_later_call_s", "first_audio_later_call_cpu_s", "load_s",
+             "peak_rss_gib", "rss_before_one_shot_decode_gib", "weights_gib", "load_average")
     print(f"CPU path, {args.threads} thread(s), {args.rounds} processes per path; min / median")
     for path, results in runs.items():
         figures = ", ".join(f"{name} {min(r[name] for r in results):.3g} / "

@@ -467,6 +467,14 @@ def test_a_refused_take_says_why_beside_the_field_in_the_pages_words(browser, se
     browser.click("speak")
     browser.take(1)
     assert browser.message("max_frames") == "" and browser.message("line") != ""
+    # Refused again, then "Use these settings again": the take's values come back, and the refusal's messages go.
+    browser.fill("max_frames", 0)
+    browser.click("speak")
+    browser.wait(lambda: browser.message("max_frames").endswith("got 0"), "the message beside max frames")
+    browser.click("reuse")
+    browser.wait(lambda: browser.value("max_frames") == str(FRAMES), "the take's max frames back")
+    browser.wait(lambda: browser.message("max_frames") == "" and browser.text("take-info") == "",
+                 "the refusal's messages gone")
     log = server.log()[logged:]
     assert "Traceback" not in log and "greater than maximum" not in log, log[-3000:]
 

@@ -87,6 +87,7 @@ body.drama3-unreachable #status, body.drama3-unreachable .toast-wrap { display: 
 #speak.drama3-busy { opacity: 0.6; cursor: progress; }
 """
 MARK = "⚠️ "  # before a message beside its field
+NOT_SPOKEN = "Not spoken: "  # the take's line when the server refused it
 
 
 def build_page(app, playground: Playground | None = None) -> gr.Blocks:
@@ -299,21 +300,25 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                                     None if settings.voices_dir is None else str(settings.voices_dir),
                                     settings.chunk_bytes))
 
-        def reuse_settings(chosen, takes_so_far):
+        def reuse_settings(chosen, takes_so_far, said: str):
+            """The take's text, voice and settings put back; the messages of a refused take go with the values they
+            were about."""
             take = next((t for t in takes_so_far if t.label == chosen), None)
             if take is None:
                 return {takes: gr.update(info=MARK + "pick a take first", elem_classes=["drama3-error"])}
             values = {**playground.defaults(), **take.fields}  # a setting left out of the request had its default
             gone = take.fields["voice"] not in playground.voice_names()
-            voice_update = gr.update(choices=playground.voice_names(), value=take.fields["voice"])
+            voice_update = gr.update(choices=playground.voice_names(), value=take.fields["voice"], info="",
+                                     elem_classes=[])
             if gone:  # deleted since the take: its settings come back, with the voice 'default'
                 voice_update = gr.update(choices=playground.voice_names(), value="default",
                                          info=MARK + f"this take's voice {take.fields['voice']!r} has been deleted: "
                                          "the page speaks with 'default' instead (enrol it again to use it)",
                                          elem_classes=["drama3-error"])
-            return {**marks(None, fields), text: take.fields["input"], voice: voice_update,
-                    takes: gr.update(info="", elem_classes=[]),
-                    **{inputs[name]: values[name] for name in SETTINGS}}
+            refused = (said or "").startswith(MARK + NOT_SPOKEN)
+            return {text: take.fields["input"], voice: voice_update, takes: gr.update(info="", elem_classes=[]),
+                    take_info: "" if refused else gr.update(),
+                    **{inputs[name]: gr.update(value=values[name], info="", elem_classes=[]) for name in SETTINGS}}
 
         async def speak_take(token: str, takes_so_far: list):
             """Wait for the take the click's PLAYER_JS is speaking through the live route, then keep it; a refused
@@ -337,8 +342,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
                 shown = page_error(error)
                 said = {preview: MARK + shown.message} if shown.field is TEXT else {}
                 yield {**marks(shown, fields), **said,
-                       take_info: MARK + (f"Not spoken: see the message beside {shown.field.label}" if shown.field
-                                          else f"Not spoken: {shown.message}")}
+                       take_info: MARK + NOT_SPOKEN + (f"see the message beside {shown.field.label}" if shown.field
+                                                       else shown.message)}
                 return
             finally:
                 playground.live.forget(token)
@@ -381,7 +386,8 @@ def build_page(app, playground: Playground | None = None) -> gr.Blocks:
         stop.click(stopped, was_running, take_info, cancels=[speaking], js=STOP_JS, show_progress="hidden", **hidden)
         takes.change(take_view, [takes, history], [take_audio, *downloads, take_fields, curl, openai_sdk, python],
                      **hidden)
-        reuse.click(reuse_settings, [takes, history], [text, voice, *setting_inputs, takes], **hidden)
+        reuse.click(reuse_settings, [takes, history, take_info], [text, voice, *setting_inputs, takes, take_info],
+                    **hidden)
     return page
 
 

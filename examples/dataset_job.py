@@ -38,6 +38,8 @@ def main() -> None:
     args = parser.parse_args()
     if (args.reference is None) != (args.reference_text is None):
         parser.error("--reference and --reference-text go together")
+    if args.reference is not None and not args.reference.is_file():
+        parser.error(f"--reference {str(args.reference)!r}: no such file")
 
     model, processor = load_model_and_processor(args.model)
     settings = {"max_new_tokens": 6} if args.model is None else {}  # the tiny checkpoint rarely stops by itself

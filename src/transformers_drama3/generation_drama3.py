@@ -1,18 +1,12 @@
 """Speech generation for Drama 3: transformers' `GenerationMixin.generate`, with Drama 3's frames as the decoding
-method it runs.
+method it runs, then the codec.
 
-`FishOmniForSpeech.generate(input_ids, ...)` is `GenerationMixin.generate` plus the codec. transformers merges the
-settings and calls the hooks overridden here, and each returns what runs:
-- `_prepare_generation_config`: `generation_settings.merge_settings` (greedy and sample only; Drama 3's settings
-  checked);
-- `_get_logits_processor`: the user's processors (checked by type; they run on the host, in the one eager-only slot),
-  then `Drama3FrameSampling`, the per-row sampling rule the frame step calls on the device (frame_rules.py);
-- `_get_stopping_criteria`: the user's criteria (checked by type; host), then `Drama3EndOfSpeech` and
-  `Drama3FrameLimit`, which the frame step calls on the device;
-- `_sample`: one spec per sequence (settings, random stream, frame limit, the checked prompt cache), run to the end
-  on a `Drama3Engine` (engine.py) in the calling thread: the prefill, then one frame step per frame (docs/format.md,
-  "Prefill and decoding"), with a `GenerateObserver` (frame_observer.py) for the streamer and the host hooks.
-`generate` then decodes each sequence's codes into audio.
+transformers merges the settings and calls the hooks overridden here, and each returns what runs (docs/architecture.md,
+"Generation"): `_prepare_generation_config` merges and checks the settings (greedy and sample only);
+`_get_logits_processor` returns the user's processors (run on the host), then `Drama3FrameSampling`;
+`_get_stopping_criteria` the user's criteria, then `Drama3EndOfSpeech` and `Drama3FrameLimit`; `_sample` runs the
+batch with those objects on a `Drama3Engine` in the calling thread, with a `GenerateObserver` for the streamer and
+the host hooks. `generate` then decodes each sequence's codes into audio.
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Capture and replay of the frame step as CUDA graphs (`generate(..., fast_decode=True)` on a CUDA device).
-
-`FrameState.step` (frame_step.py) keeps every shape fixed, never reads back to the host and writes every buffer in
-place, so one capture replays it for as long as the state lives. A capture records the step for one sampling
-setting and one attention window; all captures share one memory pool.
+"""Capture and replay of the frame step as CUDA graphs (`fast_decode=True` on a CUDA device): `FrameState.step`
+keeps every shape fixed and never reads back to the host, so one capture per sampling variant and attention window
+replays for as long as the state lives; all captures share one memory pool.
 """
 
 from __future__ import annotations

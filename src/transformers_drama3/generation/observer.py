@@ -1,13 +1,6 @@
 """What a `generate` call adds to the engine's frames: its streamer, progress bar, scores, and the user's host-side
-processors and criteria (the one eager-only slot).
-
-`generate` runs its batch on a `Drama3Engine` (engine.py) in its own thread; the engine calls a `GenerateObserver`
-around each frame step. Everything here is optional: a call with none of it runs the engine's frames alone, reading
-them back every `stop_check_interval` frames.
-
-The user's `logits_processor` and `stopping_criteria` are Python run on the host, with the rows generated so far:
-they need the whole batch's view `[B, T + n, 1 + NCB]` each frame (kept on the device only when they exist), and
-they keep the step eager (no CUDA graph, no torch.compile).
+processors and criteria (Python run between the step's parts, with the rows generated so far: they keep the step
+eager). A call with none of them runs the engine's frames alone.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""What each frame runs besides the networks: the sampling rule and the stopping criteria, as transformers'
-`LogitsProcessor` and `StoppingCriteria` objects that the frame step calls on the device.
+"""What each frame runs besides the networks, as transformers' `LogitsProcessor` and `StoppingCriteria` objects that
+the frame step calls on the device: the sampling rule and the stopping criteria.
 
-`generate`'s hooks return these objects and `_sample` hands them to the frame step unchanged: the list that
-`_get_logits_processor` returns ends with a `Drama3FrameSampling`, and the one that `_get_stopping_criteria` returns
-ends with `Drama3EndOfSpeech` and `Drama3FrameLimit`. The engine (engine.py) runs the same classes. None of them reads
-a value back to the host or changes a shape, so the step that calls them can be compiled or captured as a CUDA graph.
-
-Each sequence of a running batch has its own settings, frame limit and random stream. The objects hold no per-sequence
-state: they read it from the tensors of the frame state they are called on (`FrameSampler`'s per-row settings, the
-per-row frame counts and limits), so the same object serves a batch whose rows change between frames. What the user
-adds (their own processors and criteria) runs in Python on the host, in the one eager-only slot (frame_runner.py).
+`generate`'s hooks return these objects and the frame step runs them as returned; the engine runs the same classes.
+None reads a value back to the host or changes a shape, and none holds per-sequence state: they read each row's
+settings, frame count and limit from the frame state's tensors, so one object serves a batch whose rows change.
 """
 
 from __future__ import annotations

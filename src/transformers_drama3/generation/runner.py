@@ -1,17 +1,11 @@
 """The runner of the frame step: the sequences being generated, the state they are in, and the step over them.
 
-`FrameRunner` holds the running sequences of one engine (engine.py; `generate` runs one too) in one `FrameState`
-(frame_step.py) and runs its step once per frame: eagerly, compiled (`torch.compile`), or as CUDA graph replays
-(cuda_graphs.py). The state has a fixed number of slots, one per sequence it can hold: a sequence is admitted from its
-prefill into a free slot between two frames, and its slot is marked free when it ends. A state is built only when
-its capacity changes: twice the slots when they are all taken (a power of two: a CUDA graph per size), fewer when a
-quarter or less are in use (half, for a `generate` batch that nobody joins), and a longer cache when the sequences
-reach its end. The first state of an eager runner has exactly the slots of the batch admitted first (a `generate`
-call's batch never needs another).
-
-Names: a *slot* is a sequence's place in the state (its index along the batch dimension); a *cache position* is a
-place along the cache's time axis; a sequence's *prompt length* is its number of prompt rows; *frames* are what it
-generates.
+`FrameRunner` holds the running sequences of one engine (engine.py) in the slots of one `FrameState` (state.py) and
+runs its step once per frame: eagerly, compiled (`torch.compile`), or as CUDA graph replays (cuda_graphs.py). A
+sequence is admitted from its prefill into a free slot between two frames, and its slot is marked free when it ends. A
+state is built only when its capacity changes: twice the slots when all are taken (a power of two: a CUDA graph per
+size), fewer when a quarter or less are in use (half for a `generate` batch, which nobody joins), a longer cache when
+the sequences reach its end. The first state of an eager runner has exactly the slots of its first admission.
 """
 
 from __future__ import annotations

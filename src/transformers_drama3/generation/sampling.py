@@ -1,22 +1,12 @@
-"""The sampling rules of Drama 3 (docs/format.md, "Sampling"), per row as tensors and as transformers `LogitsProcessor`s.
+"""The sampling rules of Drama 3 with one setting per row, as tensors (docs/format.md, "Sampling").
 
-One draw of the official server is `sample(logits, T, top_k, top_p, keep_crossing)`: scale by `1 / max(T, 1e-5)` in
-float32, sort, softmax over all candidates, keep by top-p (the token that crosses `top_p` stays for the main token,
-`keep_crossing=True`, and is dropped for the codebook heads, `keep_crossing=False`), always keep rank 0, then keep
-ranks `< top_k`, renormalise, draw. `kept_logits` is that rule with one setting per row (tensors), the one
-implementation: `rules.Drama3FrameSampling` calls it with the settings of a `FrameSampler`'s tensors.
-
-Repetition-aware sampling (RAS) redraws the main token with other settings when the first draw is a semantic token
-among the last `window` main ids. `ras_log_probs` returns the log-probabilities of that two-draw procedure as a single
-distribution, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so one draw from `q` has exactly the law of "draw from
-p1; if repeated, draw again from p2", on the device and without a host round trip; its window is per row (0: no RAS
-for that row).
-
-`draw` takes its randomness as uniform noise (an exponential race, exact), and all the draws of one frame come from a
-single noise tensor that `FrameSampler.fill_noise` fills outside the frame step (so a captured CUDA graph replays
-with new noise each frame, and seeds work as usual) from each request's own `torch.Generator` (`request_generator`). `FrameSampler`'s settings are tensors at fixed addresses, one
-entry per row, written between frames (`set_rows`, `copy_rows`): rows with different settings, greedy ones included,
-share one step and one captured graph.
+`kept_logits` is the official draw rule (temperature, top-p keeping or dropping the crossing token, top-k);
+`ras_log_probs` folds repetition-aware sampling ("draw; if the draw repeats a recent semantic token, draw again with
+other settings") into one distribution with the same law, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so no host
+round trip is needed; `draw` takes its randomness as uniform noise (an exponential race, exact). `FrameSampler` holds
+a frame state's per-row settings as tensors at fixed addresses and fills one noise tensor per frame, outside the step,
+from each request's own `torch.Generator` (`request_generator`), so rows with different settings share one step and
+one captured graph, and seeds work as usual.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Drama 3's generation settings: their defaults, and the one merge and check every door runs.
 
-`generation_settings(base, generation_config, **kwargs)` is what `generate` runs with (its hook
-`_prepare_generation_config` calls it with the model's `generation_config` as `base`), what `Drama3Engine.add_request`
-runs a request with, and the early check of the CLI, manifests and the server before any model loads. The merge is
-transformers' order: `base` < `generation_config` < keywords, with transformers' global defaults under all of them.
+`generation_settings(base, generation_config, **kwargs)` merges in transformers' order (`base` < `generation_config` <
+keywords, transformers' global defaults under all), with the model's generation config as `base`: `generate`'s hook,
+the engine and each of its requests, and the early checks of the CLI, jobs and the server before any model loads.
 """
 
 from __future__ import annotations

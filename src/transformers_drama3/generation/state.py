@@ -1,28 +1,14 @@
-"""The one frame step of Drama 3 generation and the state it runs over.
+"""The one frame step of Drama 3 generation and the state it runs over (docs/architecture.md, "One frame, file by
+file").
 
-A frame (docs/format.md, "Prefill and decoding"): main-token logits from the last backbone hidden state -> the
-main token (EOS or `<|semantic:c0|>`, with repetition-aware sampling) -> the tower's codes c1..c9, code by code ->
-the new frame row is embedded and fed to the backbone, which gives the next hidden state.
-
-`FrameState` holds everything a step reads and writes for `batch` sequences, in fixed buffers: transformers'
-`StaticCache` for the backbone (full-attention keys/values and linear-attention conv/recurrent states), static
-layers for the 13 tower layers, and the last hidden state, row, position, cache-position mask, RAS window, noise, flags and
-outputs. `FrameState.step` never changes a shape, never reads a value back to the host and updates every buffer
-in place. The same step runs everywhere: eagerly on a CPU or under accelerate offload, and captured once as a CUDA
-graph and replayed (`cuda_graphs.py`) on a GPU.
-
-Names: a *slot* is a sequence's place in the state (along the batch dimension), a *cache position* a place along
-the cache's time axis. Every sequence of a state writes its next row at the same cache position (transformers' static
-layers keep one row counter per layer). A sequence admitted between two frames (`FrameState.admit`) has its prompt
-rows copied so that they end right before that position, with the positions before them masked as left padding is;
-its positions are its own, so it computes what it computes alone. Slots of sequences that ended stay in the state as ended slots until the
-runner (frame_runner.py) moves the running ones to a smaller state.
-
-Attention reads a window of the cache positions (`attention_window`: 256 doubled until the positions in use fit), so a
-step costs about what its sequences use, with a handful of distinct shapes. A state's capacity is the largest window
-it has needed: it starts small and, as its sequences get longer, they move into a bigger state (`FrameState.take`,
-which also drops the cache positions no running sequence uses any more), so memory follows the rows actually
-generated, never the `max_new_tokens` a caller asks for.
+`FrameState` holds everything a step reads and writes for `batch` sequences (slots), in fixed buffers: transformers'
+`StaticCache` for the backbone, static layers for the tower, and the last hidden state, row, position,
+cache-position mask, RAS window, noise, flags and outputs. `FrameState.step` never changes a shape, never reads a
+value back to the host and updates every buffer in place, so the same step runs eagerly, compiled, or captured as a
+CUDA graph. Every sequence writes its next row at the same cache position; a sequence admitted between two frames
+(`admit`) has its prompt rows copied to end right before it, the positions before masked as left padding is.
+Attention reads a window of the cache positions (`attention_window`), and sequences move into a state with a longer
+cache as they grow (`take`), so memory follows the rows made, never the `max_new_tokens` asked for.
 """
 
 from __future__ import annotations

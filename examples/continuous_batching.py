@@ -34,10 +34,10 @@ def main() -> None:
     def on_frame(request_id, codes):  # in the engine's thread
         streams[request_id].put(codes[None])  # [1, NCB]
 
-    def on_finish(result):
+    def on_finish(result):  # once per request, whatever ended it (a failure too: then result.error says why)
         streams[result.request_id].end()
         print(f"{result.request_id}: {result.frames} frames, {result.finish_reason}, first audio after "
-              f"{first_audio.get(result.request_id, float('nan')):.2f} s")
+              f"{first_audio.get(result.request_id, float('nan')):.2f} s" + (f": {result.error}" if result.error else ""))
         left[0] -= 1
         if not left[0]:
             done.set()

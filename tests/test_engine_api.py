@@ -19,7 +19,8 @@ from transformers.generation.continuous_batching import RequestStatus
 
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.generation import Drama3Engine, generation_settings
-from transformers_drama3.generation.rules import Drama3FrameLimit
+from transformers_drama3.generation.rules import Drama3FrameLimit, Drama3FrameSampling, frame_criteria
+from transformers_drama3.generation.runner import FrameRunner, KeptStates
 
 from .conftest import GOLDEN_TINY
 
@@ -213,3 +214,18 @@ def test_callbacks_run_outside_the_engines_lock(model, engine_prompts):
     stepper.join(60)
     assert not stepper.is_alive() and answered.is_set()
     assert engine.get_result("after").frames == 1
+
+
+def test_stop_frees_the_kept_frame_states_unless_kept_for_the_next_session(model, engine_prompts):
+    """An engine whose runner keeps states between requests (as one with CUDA graphs does) lets them go at `stop()`,
+    and keeps them with `keep_for_next_session=True`."""
+    for keep in (False, True):
+        runner = FrameRunner(model, Drama3FrameSampling(), frame_criteria(model, model.generation_config),
+                             kept=KeptStates(model))
+        engine = Drama3Engine(model, runner=runner)
+        request_id = engine.add_request(engine_prompts[1], do_sample=False, max_new_tokens=2)
+        engine.run_until_idle()
+        assert engine.get_result(request_id).frames == 2
+        engine.stop(keep_for_next_session=keep)
+        assert bool(runner.kept.states) == keep and runner.state is None
+    model.destroy_cached_continuous_batching_manager()

@@ -568,8 +568,6 @@ class Drama3Engine:
         if request.admitted:
             self._held = False  # a running request ends: a newcomer held back may fit now
         result = request.result(reason, error, self.model.config.num_codebooks)
-        if request.stream is not None:
-            request.stream.put(result)
         with self._lock:
             self.requests.pop(request.request_id, None)
             handler = self._handlers.pop(request.request_id, None)
@@ -579,6 +577,8 @@ class Drama3Engine:
                 self._ended_streams[request.request_id] = None
             self._drop_beyond_retention()
             self._lock.notify_all()
+        if request.stream is not None:  # after the result is kept: the stream's reader takes it from there
+            request.stream.put(result)
         try:
             if handler is not None:
                 handler[1].call_soon_threadsafe(handler[0], result)

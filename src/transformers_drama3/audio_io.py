@@ -230,10 +230,12 @@ class AudioFileWriter:
 
     def opened(self):
         """The SoundFile, opened on first use (inside the caller's `with`): it is the writer's from the moment it
-        exists, so `release` is the one place that closes it, whatever a Ctrl-C interrupts."""
+        exists, so `release` closes it, or, should a Ctrl-C come before `release` could begin, `write_atomically`
+        before the file it writes into (`OPEN_SOUNDS`)."""
         if self.sound is None:
             with interrupts_held():
                 self.sound = soundfile().SoundFile(self.file, "w", **self.sound_settings)
+                OPEN_SOUNDS[id(self.file)] = (self.file, self.sound)  # the file kept: its id is not reused
         return self.sound
 
     def write(self, samples: np.ndarray, last: bool = False) -> None:
@@ -263,15 +265,22 @@ class AudioFileWriter:
             set_ogg_serial(self.file, OGG_SERIAL)
 
     def release(self) -> None:
-        """Close the SoundFile, with Ctrl-C held. Left to the garbage collector (an interrupt's traceback keeps frames
-        alive), its `__del__` would close it at any moment, writing through cffi into a file that is closed by then."""
+        """Close the SoundFile and let it go, with Ctrl-C held. Left to the garbage collector (an interrupt's
+        traceback keeps frames alive), its `__del__` would close it at any moment, writing through cffi into a file
+        that is closed by then; and a Ctrl-C landing while any `__del__` runs is reported as ignored and lost, so the
+        last reference goes inside the hold too."""
         if self.sound is None:
             return
         try:
             with interrupts_held():
+                OPEN_SOUNDS.pop(id(self.file), None)
                 self.sound.close()
+                self.sound = None  # its __del__ runs here
         finally:  # a Ctrl-C raised as the hold began, before the close: close it now (a second close does nothing)
-            self.sound.close()
+            if self.sound is not None:
+                with interrupts_held():
+                    self.sound.close()
+                    self.sound = None
 
     def __enter__(self) -> AudioFileWriter:
         return self
@@ -281,6 +290,19 @@ class AudioFileWriter:
             self.close()
         else:
             self.release()  # the file is thrown away (write_atomically): no serial to fix
+
+
+# The SoundFile open on each file object, by the file's id, until its writer closes it. A Ctrl-C can land in Python
+# code anywhere, also at the entry of a writer's `__exit__` or `release` before their hold begins; `write_atomically`
+# then closes what is left open, before the file, so that libsndfile never writes through cffi into a closed file.
+OPEN_SOUNDS: dict[int, tuple[Any, Any]] = {}  # id(file) -> (file, SoundFile)
+
+
+def close_sound(file) -> None:
+    """Close the SoundFile still open on `file`, if one is (call it with Ctrl-C held)."""
+    entry = OPEN_SOUNDS.pop(id(file), None)
+    if entry is not None:
+        entry[1].close()
 
 
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when its header is sent
@@ -393,7 +415,12 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     temporary = path.parent / f".{path.name}.{secrets.token_hex(6)}.tmp"
     try:
         with open(temporary, "x+b") as file:  # readable too: a writer may rework what it wrote (set_ogg_serial)
-            write(file)
+            try:
+                write(file)
+            except BaseException:
+                with interrupts_held():
+                    close_sound(file)  # one a Ctrl-C left open, closed before the file it writes into
+                raise
             file.flush()
             os.fsync(file.fileno())
         os.replace(temporary, path)

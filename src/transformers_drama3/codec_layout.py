@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -359,10 +360,40 @@ def _read_state_dict(path: str | Path) -> tuple[dict[str, Tensor], bool]:
     return state_dict, mapped
 
 
+class EncodingSideSource:
+    """What a waiting encoding side is loaded from: two memory maps of the codec's `codec.pth` made with the codec's
+    own (`kept`: tensors that become weights; `read`: tensors read only to fold), so that it has the weights of the
+    file the rest came from even if that file is replaced later. A map costs memory only for the pages read."""
+
+    def __init__(self, kept: dict[str, Tensor], read: dict[str, Tensor]):
+        self.kept, self.read, self.lock = kept, read, threading.Lock()
+
+    def __deepcopy__(self, memo) -> EncodingSideSource:
+        return self  # read-only maps of one file: a copy of the codec loads from the same ones
+
+    def __getstate__(self) -> dict:
+        return {"kept": self.kept, "read": self.read}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["kept"], state["read"])
+
+
+def encoding_side_modules(codec: nn.Module) -> tuple[nn.Module | None, ...]:
+    """The modules of `ENCODING_SIDE`, in its order."""
+    return codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module
+
+
+def set_encoding_side(codec: nn.Module, encoder, downsample, pre_module) -> None:
+    """Put the modules of `ENCODING_SIDE` in place (None: the encoding side waits for first use)."""
+    codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module = encoder, downsample, pre_module
+
+
 __all__ = [
     "ENCODING_SIDE",
+    "EncodingSideSource",
     "FishDACLoadError",
     "check_codec_state_dict",
+    "encoding_side_modules",
     "encoding_side_state_dict",
     "folded_state_dict",
     "is_original_layout",
@@ -372,4 +403,5 @@ __all__ = [
     "memory_maps",
     "original_state_dict",
     "original_state_dict_shapes",
+    "set_encoding_side",
 ]

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,7 +52,9 @@ from .codec_blocks import (
 )
 from .codec_layout import (
     ENCODING_SIDE,
+    EncodingSideSource,
     check_codec_state_dict,
+    encoding_side_modules,
     encoding_side_state_dict,
     folded_state_dict,
     load_codec_state_dict,
@@ -61,6 +62,7 @@ from .codec_layout import (
     load_original_state_dict,
     memory_maps,
     original_state_dict,
+    set_encoding_side,
 )
 from .codes import check_codes
 from .configuration_drama3 import FishDACConfig
@@ -363,7 +365,7 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         self.encoder = FishDACEncoder(config)
         self.quantizer = FishDACQuantizer(config)
         self.decoder = FishDACDecoder(config)
-        self._encoding_side_source: _EncodingSideSource | None = None  # set while the encoding side waits
+        self._encoding_side_source: EncodingSideSource | None = None  # set while the encoding side waits
         self.post_init()
 
     @classmethod
@@ -414,8 +416,8 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
             codec = cls(config if config is not None else FishDACConfig())
         check_codec_state_dict(codec, maps[0])  # the whole file, the encoding side too
         if defer_encoding_side:
-            _set_encoding_side(codec, None, None, None)
-            codec._encoding_side_source = _EncodingSideSource(*maps[2:])
+            set_encoding_side(codec, None, None, None)
+            codec._encoding_side_source = EncodingSideSource(*maps[2:])
         codec.load_state_dict(folded_state_dict(codec, maps[0], maps[1]), assign=True)
         return codec.eval()
 
@@ -471,8 +473,8 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
             reference = self.quantizer.codebooks[0].in_proj.weight
             device = execution_device(self)
             loaded = [module.to(device, reference.dtype).requires_grad_(reference.requires_grad).train(self.training)
-                      for module in _encoding_side(part)]
-            _set_encoding_side(self, *loaded)  # each replaces a None: a thread walking the modules meanwhile is safe
+                      for module in encoding_side_modules(part)]
+            set_encoding_side(self, *loaded)  # each replaces a None: a thread walking the modules meanwhile is safe
             self._encoding_side_source = None
 
     def state_dict(self, *args, **kwargs) -> dict[str, Tensor]:
@@ -532,33 +534,6 @@ class FishDACCodec(PreTrainedAudioTokenizerBase):
         unfolded), as the official tools read it; `load_original_state_dict` folds them back to the same weights,
         bit for bit."""
         return original_state_dict(self)
-
-
-class _EncodingSideSource:
-    """What a waiting encoding side is loaded from: two memory maps of the codec's `codec.pth` made with the codec's
-    own (`kept`: tensors that become weights; `read`: tensors read only to fold), so that it has the weights of the
-    file the rest came from even if that file is replaced later. A map costs memory only for the pages read."""
-
-    def __init__(self, kept: dict[str, Tensor], read: dict[str, Tensor]):
-        self.kept, self.read, self.lock = kept, read, threading.Lock()
-
-    def __deepcopy__(self, memo) -> _EncodingSideSource:
-        return self  # read-only maps of one file: a copy of the codec loads from the same ones
-
-    def __getstate__(self) -> dict:
-        return {"kept": self.kept, "read": self.read}
-
-    def __setstate__(self, state: dict) -> None:
-        self.__init__(state["kept"], state["read"])
-
-
-def _encoding_side(codec: FishDACCodec) -> tuple[nn.Module | None, ...]:
-    """The modules of `ENCODING_SIDE`, in its order."""
-    return codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module
-
-
-def _set_encoding_side(codec: FishDACCodec, encoder, downsample, pre_module) -> None:
-    codec.encoder, codec.quantizer.downsample, codec.quantizer.pre_module = encoder, downsample, pre_module
 
 
 class FishDACStreamingDecoder:

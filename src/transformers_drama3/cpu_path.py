@@ -1,8 +1,10 @@
 """The CPU path: the weight format a model loaded for a CPU runs in.
 
 - `"float16"` (what `"auto"` takes): the dense linears of the backbone and the tower, and the routed experts, with
-  float16 weights over float32 activations (cpu_weights.py); norms, embeddings, the router, lm_head and the codec stay
-  float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU frame.
+  float16 weights over float32 activations (cpu_weights.py); the embedding tables of the backbone and the tower in
+  bfloat16 when that is exact (a bfloat16 checkpoint's), their rows widened to float32; norms, the router, lm_head and
+  the codec stay float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU
+  frame. The frame step of this path runs compiled where a stored one exists (generation/stored_steps.py).
 - `"bfloat16"` (only when asked for): the backbone, lm_head and tower in bfloat16, activations too (half the bytes
   of float32; the checkpoint's own bfloat16 weights, kept in its memory map). FP8 experts as shipped stay in their
   module, their values and scales in bfloat16, dequantised at each call.
@@ -31,7 +33,7 @@ import os
 import torch
 from torch import nn
 
-from .cpu_weights import WEIGHT_FORMATS, CpuExperts, CpuLinear, can_convert
+from .cpu_weights import WEIGHT_FORMATS, CpuEmbedding, CpuExperts, CpuLinear, can_convert, exact_in_bfloat16
 
 CPU_PATHS = ("auto", "bfloat16", "float16", "int8", "float32")
 ENVIRONMENT_VARIABLE = "DRAMA3_CPU_PATH"
@@ -72,10 +74,19 @@ def load_dtype(path: str) -> torch.dtype:
     return torch.bfloat16 if path == "bfloat16" else torch.float32
 
 
-def convert_weights(model: nn.Module, weight_format: str) -> None:
+def embedding_tables(model: nn.Module) -> list[nn.Embedding]:
+    """The embedding tables of the backbone and the tower."""
+    return [m for part in (model.backbone, model.tower) for m in part.modules() if type(m) is nn.Embedding]
+
+
+def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | None = None) -> None:
     """Replace, in place, the dense linears of the backbone and the tower by `CpuLinear` and the routed experts by
-    `CpuExperts` in `weight_format` (cpu_weights.py); the router, lm_head, embeddings, norms and codec stay."""
+    `CpuExperts` in `weight_format` (cpu_weights.py), and, when `narrow_tables` (None: when every table is exact in
+    bfloat16, read from the values), the embedding tables by `CpuEmbedding`; the router, lm_head, norms and codec
+    stay."""
     text_config = model.config.text_config
+    if narrow_tables is None:
+        narrow_tables = all(exact_in_bfloat16(table.weight) for table in embedding_tables(model))
     for part in (model.backbone, model.tower):
         for module in list(part.modules()):
             for name, child in list(module.named_children()):
@@ -83,6 +94,8 @@ def convert_weights(model: nn.Module, weight_format: str) -> None:
                     setattr(module, name, CpuLinear(child, weight_format))
                 elif name == "experts" and hasattr(child, "gate_up_proj"):
                     setattr(module, name, CpuExperts.from_experts(child, text_config, weight_format))
+                elif narrow_tables and type(child) is nn.Embedding:
+                    setattr(module, name, CpuEmbedding(child))
 
 
 def has_accelerator() -> bool:
@@ -123,14 +136,15 @@ def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
     return path
 
 
-def apply_cpu_path(model: nn.Module, path: str) -> None:
+def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = None) -> None:
     """Bring a float32 (or bfloat16) model to `path` (`resolve_cpu_path`'s answer), in place, and record it as
-    `model.cpu_path`. The codec is kept in float32."""
+    `model.cpu_path`. The codec is kept in float32. `narrow_tables`: `convert_weights`'s (None: from the values; a
+    model on the meta device has none to read)."""
     if path not in CPU_PATHS[1:]:
         raise ValueError(f"apply_cpu_path takes one of {', '.join(CPU_PATHS[1:])}, got {path!r}")
     codec = model.codec
     if path in WEIGHT_FORMATS:
-        convert_weights(model, path)
+        convert_weights(model, path, narrow_tables)
     elif path == "bfloat16":
         for part in (model.backbone, model.lm_head, model.tower):
             part.to(torch.bfloat16)

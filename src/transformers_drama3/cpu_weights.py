@@ -14,7 +14,9 @@ every candidate, `benchmarks/cpu_weight_formats.py`):
 
 `CpuLinear` replaces an `nn.Linear`; `CpuExperts` replaces the backbone's routed experts (fused `[E, out, in]`
 tensors, or the FP8 experts kept as shipped, dequantised once here) and runs through transformers' experts interface,
-as the other quantised experts do (quantized_experts.py).
+as the other quantised experts do (quantized_experts.py). `CpuEmbedding` keeps an embedding table in bfloat16 when
+every value of it is a bfloat16 value (a bfloat16 checkpoint's tables: the rows it looks up, widened back, are the
+float32 ones exactly), at half the bytes.
 """
 
 from __future__ import annotations
@@ -69,8 +71,9 @@ def product(x: torch.Tensor, weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
 
 
 def can_convert(linear: nn.Module, weight_format: str) -> bool:
-    """Whether `linear` is a plain float `nn.Linear` that `weight_format` can hold (module docstring)."""
-    if type(linear) is not nn.Linear or not linear.weight.is_floating_point() or linear.weight.is_meta:
+    """Whether `linear` is a plain float `nn.Linear` that `weight_format` can hold (module docstring). A linear on the
+    meta device converts to one on the meta device (stored_steps.py builds the CPU path's structure so)."""
+    if type(linear) is not nn.Linear or not linear.weight.is_floating_point():
         return False
     return weight_format == "float16" or linear.in_features % INT8_COLUMN_MULTIPLE == 0
 
@@ -93,6 +96,28 @@ class CpuLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_format} weights"
+
+
+def exact_in_bfloat16(weight: torch.Tensor) -> bool:
+    """Whether every value of `weight` is a bfloat16 value (then `CpuEmbedding` keeps it exactly in 16 bits)."""
+    return weight.dtype == torch.bfloat16 or bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
+
+
+class CpuEmbedding(nn.Module):
+    """`nn.Embedding` with its table `weight [num, dim]` kept in bfloat16 (`exact_in_bfloat16` tables only); the rows
+    it looks up come out in the table's former dtype (`output_dtype`). Frozen: the CPU path is for inference."""
+
+    def __init__(self, embedding: nn.Embedding):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
+        self.padding_idx, self.output_dtype = embedding.padding_idx, embedding.weight.dtype
+        self.weight = nn.Parameter(embedding.weight.detach().to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight, self.padding_idx).to(self.output_dtype)  # [..., dim]
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, bfloat16 table, {self.output_dtype} rows"
 
 
 def cpu_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -179,4 +204,5 @@ class CpuExperts(QuantizedExperts):
         return weight if scale is None else weight * scale.to(dtype)[..., None]
 
 
-__all__ = ["CpuExperts", "CpuLinear", "WEIGHT_FORMATS", "can_convert", "product", "quantize_rows", "stored"]
+__all__ = ["CpuEmbedding", "CpuExperts", "CpuLinear", "WEIGHT_FORMATS", "can_convert", "exact_in_bfloat16", "product",
+           "quantize_rows", "stored"]

@@ -446,6 +446,11 @@ class Drama3CodebookTower(PreTrainedModel):
             module.weight.normal_(0.0, INIT_STD)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the tower computes in: its norms' (the CPU path keeps its tables and linears narrower)."""
+        return self.residual_layers[0].final_layernorm.weight.dtype
+
+    @property
     def num_layers(self) -> int:
         """Layers with a KV cache: shared then residual (the cache's layer index order)."""
         return len(self.shared_layers) + len(self.residual_layers)
@@ -533,7 +538,7 @@ class Drama3CodebookTower(PreTrainedModel):
         if position_ids is None:
             position_ids = torch.arange(past, past + rows, device=device).expand(batch, rows)
         rope = rotary_angles(position_ids.to(device), self.config.rotary_dim, self.config.rope_base)
-        mask = tower_attention_mask(attention_mask, past, rows, self.dtype, device, self.config._attn_implementation)
+        mask = tower_attention_mask(attention_mask, past, rows, self.compute_dtype, device, self.config._attn_implementation)
 
         is_audio = self.is_audio(label_frames[..., 0])  # [B, T]
         codes = label_frames[..., 1:]  # [B, T, NCB]
@@ -571,7 +576,7 @@ class Drama3CodebookTower(PreTrainedModel):
         past = self._check_cache(cache)
         device = hidden_states.device
         rope = rotary_angles(position_ids.to(device)[:, None], self.config.rotary_dim, self.config.rope_base)
-        mask = tower_attention_mask(attention_mask, past, 1, self.dtype, device, self.config._attn_implementation)
+        mask = tower_attention_mask(attention_mask, past, 1, self.compute_dtype, device, self.config._attn_implementation)
         return self.decode_codes(hidden_states, input_frame, main_token, rope, mask, cache, sample_codebook)
 
     def decode_codes(

@@ -160,9 +160,7 @@ class FrameState:
         keys_like = next(layer.keys for layer in template.layers if getattr(layer, "keys", None) is not None)
         tower = model.tower.config
         tower_device = execution_device(model.tower)
-        # The tower computes in its embeddings' dtype (its linears may hold 8- or 16-bit weights and output that).
-        embedding = model.tower.codebook_embeddings.weight
-        tower_dtype = keys_like.dtype if embedding.is_meta else embedding.dtype
+        tower_dtype = model.tower.compute_dtype  # its norms' (the CPU path keeps its tables and linears narrower)
         like = torch.empty(batch, tower.n_local_heads, 1, tower.head_dim, dtype=tower_dtype, device=tower_device)
         self.tower_cache = Cache(layers=[WindowedStaticLayer(capacity) for _ in range(model.tower.num_layers)])
         for layer in self.tower_cache.layers:

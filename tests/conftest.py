@@ -13,6 +13,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # exact comparisons (golden values, round trips, CLI and server outputs) are about the float32 reference, so it runs
 # with that path unless a test clears the variable (tests/test_cpu_path.py, the sampling-law tests on the CPU path).
 os.environ.setdefault("DRAMA3_CPU_PATH", "float32")
+# No stored compiled frame steps (generation/stored_steps.py): a CPU-path model in a test would otherwise write to the
+# user's cache and start background compiles. tests/stored_step_support.py turns a store on where a test needs one.
+os.environ.setdefault("DRAMA3_STEP_STORE", "off")
 
 import json  # noqa: E402
 import platform  # noqa: E402

@@ -34,8 +34,10 @@ import pytest
 import torch
 
 from tests.conftest import GOLDEN_TINY
+from tests.stored_step_support import store_with_inline_compiles
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cpu_path import resolve_cpu_path
+from transformers_drama3.generation.stored_steps import MAX_SLOTS
 
 SAMPLES = 512
 ALPHA = 1e-6
@@ -98,22 +100,36 @@ def chi_square_p_value(counts: torch.Tensor, expected: torch.Tensor) -> float:
     return torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), statistic / 2).item()
 
 
-@pytest.fixture(scope="module", params=["float32", "cpu path"])
-def golden_model(request):
+@pytest.fixture(scope="module", params=["float32", "cpu path", "stored step"])
+def golden_model(request, tmp_path_factory):
     """The golden tiny model in float32 (the suite's fixture), then on the CPU path a plain load takes on this CPU
-    (bfloat16 or float16 weights, cpu_path.py): the laws are computed from each model's own `forward`."""
+    (float16 weights, cpu_path.py), run eagerly and by its stored compiled step (generation/stored_steps.py: compiled
+    by a first call, before `samples` draws with it): the laws are computed from each model's own `forward`."""
     if request.param == "float32":
-        return request.getfixturevalue("golden_model")
-    return FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path=resolve_cpu_path("auto"))
+        yield request.getfixturevalue("golden_model")
+        return
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path=resolve_cpu_path("auto"))
+    if request.param == "cpu path":
+        yield model
+        return
+    with store_with_inline_compiles(tmp_path_factory.mktemp("steps")) as store:
+        model.generate(law_prompt(model).expand(MAX_SLOTS, -1, -1), max_new_tokens=1, output_audio=False, **SETTINGS)
+        yield model
+        assert store.used, "the stored step never ran"
+
+
+def law_prompt(model) -> torch.Tensor:
+    """The prompt `[1, 5, 11]`: one text row, then the reference's four audio rows."""
+    start = model.config.semantic_start_token_id
+    rows = torch.zeros(1 + len(REFERENCE_CODES), 11, dtype=torch.long)
+    rows[0, 0] = TEXT_ID
+    rows[1:, 0], rows[1:, 1:] = start + REFERENCE_CODES[:, 0], REFERENCE_CODES
+    return rows[None]
 
 
 @pytest.fixture(scope="module")
 def prompt(golden_model):
-    start = golden_model.config.semantic_start_token_id
-    rows = torch.zeros(1 + len(REFERENCE_CODES), 11, dtype=torch.long)
-    rows[0, 0] = TEXT_ID
-    rows[1:, 0], rows[1:, 1:] = start + REFERENCE_CODES[:, 0], REFERENCE_CODES
-    return rows[None]  # [1, 5, 11]
+    return law_prompt(golden_model)  # [1, 5, 11]
 
 
 @pytest.fixture(scope="module")
@@ -140,13 +156,18 @@ def main_law(golden_model, prompt):
 
 @pytest.fixture(scope="module")
 def samples(golden_model, prompt):
-    """`SAMPLES` first frames, one seed each, from one `generate` call: main candidate column `[N]` (0: EOS), code 1
-    `[N]` (-1 after EOS) and the frame rows `[N, 11]`."""
-    out = golden_model.generate(prompt.expand(SAMPLES, -1, -1), seed=list(range(SAMPLES)), max_new_tokens=1,
-                                output_audio=False, **SETTINGS)
-    column = torch.tensor([1 + int(codes[0, 0]) if codes.shape[1] else 0 for codes in out.codes])
-    code_1 = torch.tensor([int(codes[1, 0]) if codes.shape[1] else -1 for codes in out.codes])
-    return column, code_1, out.sequences[:, prompt.shape[1]]
+    """`SAMPLES` first frames, one seed each, from `generate` calls of `MAX_SLOTS` sequences (the most a stored step
+    runs; one seed per sequence makes each draw independent of the batch it is in): main candidate column `[N]` (0:
+    EOS), code 1 `[N]` (-1 after EOS) and the frame rows `[N, 11]`."""
+    codes, rows = [], []
+    for first in range(0, SAMPLES, MAX_SLOTS):
+        out = golden_model.generate(prompt.expand(MAX_SLOTS, -1, -1), seed=list(range(first, first + MAX_SLOTS)),
+                                    max_new_tokens=1, output_audio=False, **SETTINGS)
+        codes += out.codes
+        rows.append(out.sequences[:, prompt.shape[1]])
+    column = torch.tensor([1 + int(frame[0, 0]) if frame.shape[1] else 0 for frame in codes])
+    code_1 = torch.tensor([int(frame[1, 0]) if frame.shape[1] else -1 for frame in codes])
+    return column, code_1, torch.cat(rows)
 
 
 def codebook_laws(model, prompt, columns: list[int]) -> dict[int, torch.Tensor]:

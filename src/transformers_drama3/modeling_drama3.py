@@ -29,6 +29,7 @@ from .configuration_drama3 import FishOmniConfig
 from .generation.continuous_batching import Drama3ContinuousBatchingMixin
 from .cpu_path import apply_cpu_path, cpu_path_for_load
 from .device_placement import execution_device
+from .generation.stored_steps import preload_steps
 from .generation_drama3 import Drama3GenerationMixin
 from .input_checks import (
     IGNORE_INDEX,
@@ -438,13 +439,15 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         `candidate_head_rows_only=True` to keep only the main-token candidate rows of lm_head
         (`keep_candidate_head_rows`); `attn_implementation`; under `torchrun`, `tp_plan="auto"` or
         `distributed_config=parallel.distributed_config(...)` for tensor or expert parallelism
-        (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec comes from
-        `codec.pth`, whole, in float32 whatever `dtype` is, on the device where the model takes its inputs or the one
-        `device_map` names for `"codec"` (never offloaded; `model.codec.to(...)` changes device or dtype afterwards).
-        Without `dtype` (or with `"auto"`) on a machine with no GPU the model takes the CPU path (`cpu_path.py`):
-        bfloat16 where the CPU computes it natively, else float16 weights over float32 activations for the dense
-        linears and experts; `cpu_path="float32"` (or `dtype=torch.float32`, or `DRAMA3_CPU_PATH=float32`) loads plain
-        float32 instead. With a GPU the checkpoint's bfloat16 stays. `use_kernels=True` asks transformers to swap in
+        (`transformers_drama3.parallel`). transformers loads everything but the codec; the codec is built from
+        `codec.pth` (memory-mapped; its encoding side is loaded by the first `encode`), in float32 whatever `dtype`
+        is, on the device where the model takes its inputs or the one `device_map` names for `"codec"` (never
+        offloaded; `model.codec.to(...)` changes device or dtype afterwards). Without `dtype` (or with `"auto"`) on a
+        machine with no GPU the model takes the CPU path (`cpu_path.py`): float16 weights over float32 activations for
+        the dense linears and experts on every CPU, bfloat16 tables where that is exact, and the frame step compiled
+        ahead of time once stored (`generation/stored_steps.py`; the model's most recent stored step is loaded here);
+        `cpu_path="float32"` (or `dtype=torch.float32`, or `DRAMA3_CPU_PATH=float32`) loads plain float32 instead.
+        With a GPU the checkpoint's bfloat16 stays. `use_kernels=True` asks transformers to swap in
         kernels from the Hub (its `kernels` package; on a GPU the linear-attention layers' kernels are fetched at
         load): off unless asked, so that a load never needs the network. See docs/loading.md and docs/hardware.md.
         """
@@ -484,6 +487,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
             model.split_rules = SplitModelRules()  # what generate asks of a model split over ranks
         if candidate_rows_only:
             model.keep_candidate_head_rows()
+        if cpu_path is not None:  # last: the step's key covers the model as it runs
+            preload_steps(model)  # its compiled frame step, if stored (generation/stored_steps.py)
         return loaded
 
     if compat.dequantised_weights_keep_checkpoint_dtype():

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import torch
 from transformers import StoppingCriteriaList
@@ -20,6 +21,8 @@ from transformers.utils import logging
 from .cuda_graphs import FREE_SLOT, StepGraphs
 from .rules import Drama3FrameSampling
 from .state import FrameState, attention_window, row_limit
+from .stored_steps import (MAX_SLOTS, RECHECK_S, compile_request, model_description, state_description, step_key,
+                           store_for)
 
 logger = logging.get_logger(__name__)
 
@@ -101,14 +104,16 @@ class FrameRunner:
     name); `scores`: keep each step's main-token logits; `admits_later`: sequences may join after the first admission
     (an engine's runner; not a `generate` batch's); `one_stream`: every slot draws from `generator` (None: torch's
     default stream) instead of its own. A captured or compiled step attends over `attention_window` cache positions (a few shapes),
-    an eager one over exactly the positions in use.
+    an eager one over exactly the positions in use. A model on the CPU path with neither graphs nor `compile_step` runs
+    the stored compiled step of each state of up to `MAX_SLOTS` slots where its step store has one (stored_steps.py),
+    else the eager step.
 
     Failures: a method that raises either leaves the runner as it was (a state that could not be built or filled) or
     drops the state, with every sequence in it (a step or an in-place move that stopped half-way); `running` then says
     which sequences are left. `builds` counts the states built and `moved_bytes` the bytes of running sequences' caches copied into another
     state or to later cache positions (a newcomer's own prefill is not counted): both change only with the capacity,
     or when a newcomer's prompt is longer than the cache positions before the next frame's (then the running
-    sequences' attention rows move, in place).
+    sequences' attention rows move, in place). `stored_frames` counts the steps a stored compiled step ran.
     """
 
     def __init__(self, model, sampling: Drama3FrameSampling, stopping: StoppingCriteriaList, graphs: bool = False,
@@ -119,6 +124,7 @@ class FrameRunner:
         self.model, self.sampling, self.stopping = model, sampling, stopping
         self.graphs, self.scores, self.kept = graphs, scores, kept
         self.compile_backend = "inductor" if compile_step is True else (compile_step or None)
+        self.store = store_for(model) if not graphs and not self.compile_backend else None
         # Without later admissions (a `generate` batch) a state shrinks as soon as a smaller one holds the running
         # sequences; with them, only when a quarter or fewer of its slots are in use (no rebuild back and forth).
         self.shrink_factor = 4 if admits_later else 2
@@ -132,6 +138,7 @@ class FrameRunner:
         self.layout = 0  # changes whenever slots change owner: callers cache slot indexes on it
         self.longest_prompt = 0  # the longest prompt admitted: a new state starts with room for one as long
         self.builds = self.moved_bytes = 0
+        self.stored_frames = 0  # steps run by a stored compiled step (stored_steps.py)
 
     # -- what runs ------------------------------------------------------------------------------------------------
 
@@ -302,6 +309,22 @@ class FrameRunner:
         compiled = state.compiled[self.compile_backend]
         return lambda visible, hook=None: compiled(visible, self.sampling, self.stopping, hook)
 
+    def _stored_step(self, state: FrameState, positions: int):
+        """The stored compiled step of `state` and its attention window for `positions` rows, or None (a missing
+        one is asked for, and looked for again every `RECHECK_S` seconds while the state runs)."""
+        window = attention_window(positions, self.cap)
+        slot = ("stored", window, state.sampler.key)
+        key, step, checked = state.compiled.get(slot, (None, None, None))
+        if step is None and (checked is None or time.monotonic() - checked > RECHECK_S):
+            if key is None:
+                key = step_key(model_description(self.model),
+                               state_description(state, window, self.sampling, self.stopping))
+            step = self.store.load(key)
+            if step is None:
+                self.store.compile_later(compile_request(self.model, state, window, self.sampling), key)
+            state.compiled[slot] = (key, step, time.monotonic())
+        return (step, window) if step is not None else None
+
     def make_room(self) -> None:
         """Move the sequences into a state with a longer cache if the next step's row does not fit (before a step)."""
         if self.state.pointer + 1 > self.state.capacity:
@@ -319,6 +342,11 @@ class FrameRunner:
             if key not in state.graphs:
                 state.graphs[key] = self.kept.graphs.capture(self.model, lambda: function(visible), state.hidden.device)
             state.graphs[key].replay()
+        elif (self.store is not None and main_logits_hook is None and state.batch <= MAX_SLOTS
+              and (stored := self._stored_step(state, state.pointer + 1))):
+            with torch.no_grad():
+                stored[0](state, stored[1], self.sampling, self.stopping)
+            self.stored_frames += 1
         else:
             function(visible, main_logits_hook)
         state.pointer += 1

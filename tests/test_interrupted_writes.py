@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 import os
 import random
 import select
@@ -121,6 +122,7 @@ def test_a_ctrl_c_before_the_writers_release_begins_still_closes_the_soundfile_f
     `write_atomically` closes the SoundFile left open before the file, and nothing is left behind."""
     ignored = _ignored_exceptions(monkeypatch)
     release = AudioFileWriter.release
+    open_before = len(audio_io.OPEN_SOUNDS)
 
     def interrupted_once(self):
         monkeypatch.setattr(AudioFileWriter, "release", release)
@@ -130,4 +132,17 @@ def test_a_ctrl_c_before_the_writers_release_begins_still_closes_the_soundfile_f
     with pytest.raises(KeyboardInterrupt):
         audio_io.write_audio(tmp_path / "x.flac", np.zeros(44100, dtype=np.float32), 44100)
     gc.collect()
-    assert ignored == [] and os.listdir(tmp_path) == [] and not audio_io.OPEN_SOUNDS
+    assert ignored == [] and os.listdir(tmp_path) == [] and len(audio_io.OPEN_SOUNDS) == open_before
+
+
+def test_a_writer_abandoned_without_its_release_is_not_kept_alive(monkeypatch):
+    """A streamed response whose client left abandons its writer: the SoundFiles `write_atomically` may have to close
+    are held weakly, so the abandoned one is freed as any object is."""
+    ignored = _ignored_exceptions(monkeypatch)
+    before = len(audio_io.OPEN_SOUNDS)
+    writer = AudioFileWriter(io.BytesIO(), "x.wav", 44100)
+    writer.write(np.zeros(2 * audio_io.WRITE_BLOCK, dtype=np.float32))
+    assert len(audio_io.OPEN_SOUNDS) == before + 1
+    del writer
+    gc.collect()
+    assert len(audio_io.OPEN_SOUNDS) == before and ignored == []

@@ -21,6 +21,7 @@ import secrets
 import signal
 import struct
 import threading
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -235,7 +236,7 @@ class AudioFileWriter:
         if self.sound is None:
             with interrupts_held():
                 self.sound = soundfile().SoundFile(self.file, "w", **self.sound_settings)
-                OPEN_SOUNDS[id(self.file)] = (self.file, self.sound)  # the file kept: its id is not reused
+                OPEN_SOUNDS[id(self.file)] = self.sound
         return self.sound
 
     def write(self, samples: np.ndarray, last: bool = False) -> None:
@@ -295,14 +296,16 @@ class AudioFileWriter:
 # The SoundFile open on each file object, by the file's id, until its writer closes it. A Ctrl-C can land in Python
 # code anywhere, also at the entry of a writer's `__exit__` or `release` before their hold begins; `write_atomically`
 # then closes what is left open, before the file, so that libsndfile never writes through cffi into a closed file.
-OPEN_SOUNDS: dict[int, tuple[Any, Any]] = {}  # id(file) -> (file, SoundFile)
+# Weak: a writer abandoned without its release (a streamed response whose client left) is freed as before. While a
+# SoundFile lives it holds its file (libsndfile's callbacks do), so the file's id is not reused meanwhile.
+OPEN_SOUNDS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # id(file) -> SoundFile
 
 
 def close_sound(file) -> None:
     """Close the SoundFile still open on `file`, if one is (call it with Ctrl-C held)."""
-    entry = OPEN_SOUNDS.pop(id(file), None)
-    if entry is not None:
-        entry[1].close()
+    sound = OPEN_SOUNDS.pop(id(file), None)
+    if sound is not None:
+        sound.close()
 
 
 STREAMED_WAV_SIZE = 0xFFFFFFFF  # RIFF and data sizes of a WAV whose length is unknown when its header is sent

@@ -9,8 +9,13 @@ machine); nested parts are indented, and what no module covers (the main token's
 codebook draws, code embeddings, the step's glue) is the frame's rest. Then `torch.profiler` over `--op-frames`
 frames of the first path gives the operations that take the most time, with their calls per frame.
 
+Those runners run the eager step (the step store off). The first path's model then also runs its stored compiled step
+(generation/stored_steps.py) from the store (`--store`, default the package's; `benchmarks/cpu_path.py` fills it),
+interleaved with the others: its whole frame, and its operations under `torch.profiler` (a compiled step has no
+module calls to time by part).
+
     python benchmarks/cpu_frame_profile.py --paths float16,float32 --threads 1
-    python benchmarks/cpu_frame_profile.py --paths float16,bfloat16,int8 --threads 1 --checkpoint DIR
+    python benchmarks/cpu_frame_profile.py --paths float16,bfloat16,int8 --threads 1 --checkpoint DIR --store DIR
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ from collections import defaultdict
 
 import torch
 
-from cpu_path import small_checkpoint
+from cpu_path import small_checkpoint, step_prompt
 from frame_step import loaded_runner
 from transformers_drama3 import FishOmniForSpeech
+from transformers_drama3.generation.stored_steps import STORE_VARIABLE, default_directory
 
 # (part, indentation, the modules of the part by name). A part's time is the time of its modules' calls, outermost
 # calls only.
@@ -51,6 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--frames", type=int, default=12, help="timed frames per path (default 12)")
     parser.add_argument("--op-frames", type=int, default=5, help="frames under torch.profiler (default 5)")
     parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: cpu_path.py's small one)")
+    parser.add_argument("--store", default=None, help="the step store's folder (default: the package's)")
     parser.add_argument("--output", default=None, help="where to write the JSON results")
     return parser.parse_args()
 
@@ -109,20 +116,29 @@ def main() -> None:
     checkpoint = args.checkpoint or small_checkpoint()
     paths = args.paths.split(",")
     load = os.getloadavg()
-    runners, timers, runs = {}, {}, {path: [] for path in paths}
+    store = args.store or str(default_directory())
+    runners, timers, runs, models = {}, {}, {path: [] for path in paths}, {}
+    os.environ[STORE_VARIABLE] = "off"  # the parts are the eager step's
     with torch.no_grad():
         for path in paths:
-            model = FishOmniForSpeech.from_pretrained(checkpoint, cpu_path=path).eval()
-            prompt = torch.zeros(1, 50, 1 + model.config.num_codebooks, dtype=torch.long)  # text rows
-            prompt[..., 0] = torch.randint(0, model.config.eos_token_id, (1, 50), generator=torch.Generator().manual_seed(0))
-            runners[path] = loaded_runner(model, prompt, 0)
+            model = models[path] = FishOmniForSpeech.from_pretrained(checkpoint, cpu_path=path).eval()
+            runners[path] = loaded_runner(model, step_prompt(model), 0)
             timers[path] = PartTimer(model)
             for _ in range(4):
                 runners[path].step()
+        os.environ[STORE_VARIABLE] = store
+        stored = loaded_runner(models[paths[0]], step_prompt(models[paths[0]]), 0)
+        for _ in range(4):
+            stored.step()
+        stored_frames = []
         for _ in range(args.frames):
             for path in paths:
                 runs[path].append(timers[path].frame(runners[path]))
+            begin = time.thread_time()
+            stored.step()
+            stored_frames.append(1e3 * (time.thread_time() - begin))
         calls, ops = operations(runners[paths[0]], args.op_frames)
+        stored_calls, stored_ops = operations(stored, args.op_frames)
     medians = {path: {part: statistics.median(frame[part] for frame in runs[path]) for part in runs[path][0]}
                for path in paths}
     print(f"{args.threads} thread(s), load average {load[0]:.2f} at the start, {os.getloadavg()[0]:.2f} at the end; "
@@ -134,12 +150,19 @@ def main() -> None:
         print(f"| {label} | {' | '.join(f'{medians[path][part]:.1f}' for path in paths)} |")
     print(f"\nOperations of the {paths[0]} path ({args.op_frames} frames, torch.profiler): {calls:.0f} calls a frame "
           "(composite operations included); share of self CPU time, calls per frame")
-    for name, share, calls in ops:
-        print(f"  {name:40s} {100 * share:5.1f} %  {calls:7.1f}")
+    for name, share, count in ops:
+        print(f"  {name:40s} {100 * share:5.1f} %  {count:7.1f}")
+    ran = stored.stored_frames
+    print(f"\nThe {paths[0]} path's stored step ({ran} of {args.frames + 4 + args.op_frames} frames from the "
+          f"store {store}; none: fill it with benchmarks/cpu_path.py): {statistics.median(stored_frames):.1f} ms of "
+          f"thread CPU a frame, {stored_calls:.0f} profiled calls a frame; share of self CPU time, calls per frame")
+    for name, share, count in stored_ops:
+        print(f"  {name[:40]:40s} {100 * share:5.1f} %  {count:7.1f}")
     if args.output:
         with open(args.output, "w") as file:
             json.dump({"threads": args.threads, "load_average": load, "medians": medians, "calls_per_frame": calls,
-                       "operations": ops,
+                       "operations": ops, "stored_step_ms": statistics.median(stored_frames),
+                       "stored_frames": ran, "stored_calls_per_frame": stored_calls, "stored_operations": stored_ops,
                        "command": " ".join(sys.argv)}, file, indent=2)
 
 

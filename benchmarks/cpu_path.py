@@ -4,11 +4,17 @@ Per path and round, a fresh process loads the checkpoint with `FishOmniForSpeech
 cpu_path=...)` and measures: the load; time to first audio (from the `generate` call, with the prompt rows already made
 by the processor, to the first streamed chunk of `Drama3AudioStreamer(first_chunk_frames=1)`: prefill, one frame and
 its audio), on the first call and on a later one; the frame step (`FrameState.step` as `generate` runs it, after a
-50-row prefill, median of `--frames` steps; CPU time of the thread too, steadier on a shared machine); 32 greedy frames
-through `generate` and their codec decode (one call for the 32 frames); the process's peak RSS (`ru_maxrss`, as
-`/usr/bin/time` reports it) and its RSS just before that one-shot decode. Wall times come with the process's CPU
-time (`*_cpu_s`, every thread), and each process reports the load average at its start. Paths run interleaved,
-`--rounds` times.
+50-row prefill, median of `--frames` steps; CPU time of the thread too, steadier on a shared machine; `stored_frames`:
+how many of them a stored compiled step ran, generation/stored_steps.py); 32 greedy frames through `generate` and
+their codec decode, first streamed in chunks of 7 frames as `drama3-tts` decodes, then in one call as
+`generate(output_audio=True)` does; the process's peak RSS (`ru_maxrss`, as `/usr/bin/time` reports it) before the
+decodes, after the streamed one and at the end, and its memory after each stage (`memory_mib`: resident, anonymous,
+file-backed, peak). Wall times come with the process's CPU time (`*_cpu_s`, every
+thread), and each process reports the load average at its start. Paths run interleaved, `--rounds` times.
+
+Before the rounds, the step store (`--store`, default the package's) is filled for each path that uses one: a
+process runs the steps measured here and waits for the background compiles they ask for, until none is missing
+(minutes, once per checkpoint, thread count and package version). `--no-fill` measures whatever the store holds.
 
 The checkpoint is the `small` geometry of configs.py with a tower vocabulary of 4096 and the real Fish DAC codec, FP8
 experts as shipped, written once by the package's writer (`write_tiny_checkpoint`, seed 0) into the temp directory
@@ -21,6 +27,7 @@ experts as shipped, written once by the package's writer (`write_tiny_checkpoint
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import resource
@@ -41,7 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3, help="processes per path, interleaved (default 3)")
     parser.add_argument("--frames", type=int, default=24, help="timed frame steps per process (default 24)")
     parser.add_argument("--checkpoint", default=None, help="checkpoint directory (default: the small one, written once)")
+    parser.add_argument("--store", default=None, help="the step store's folder (default: the package's)")
+    parser.add_argument("--no-fill", action="store_true", help="do not fill the step store first")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--warm", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", default=None, help="where to write the JSON results")
     return parser.parse_args()
 
@@ -62,10 +72,55 @@ def small_checkpoint() -> str:
     return path
 
 
-def resident_gib() -> float:
-    """This process's resident memory now (Linux's /proc/self/statm: resident pages), GiB."""
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+def memory_mib() -> list[int]:
+    """This process's resident memory now, its anonymous part (heap, tensors) and its file-backed part (libraries,
+    memory-mapped weights such as the codec's), and the peak so far (Linux's /proc/self/status), MiB."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return [int(fields[name].split()[0]) // 1024 for name in ("VmRSS", "RssAnon", "RssFile", "VmHWM")]
+
+
+def peak_gib() -> float:
+    """This process's peak resident memory so far (`ru_maxrss`, as `/usr/bin/time` reports it), GiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def step_prompt(model):
+    """The 50 random text rows the frame step is timed after."""
+    import torch
+
+    prompt = torch.zeros(1, 50, 1 + model.config.num_codebooks, dtype=torch.long)
+    prompt[..., 0] = torch.randint(0, model.config.eos_token_id, (1, 50), generator=torch.Generator().manual_seed(0))
+    return prompt
+
+
+def warm(checkpoint: str, cpu_path: str) -> None:
+    """Run each kind of step `measure` runs (greedy and sampled `generate`, the timed runner) once, so that the step
+    store is asked for every missing step."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from frame_step import loaded_runner
+
+    from transformers_drama3 import Drama3Processor, FishOmniForSpeech
+
+    model = FishOmniForSpeech.from_pretrained(checkpoint, cpu_path=cpu_path).eval()
+    inputs = Drama3Processor.from_pretrained(checkpoint, codec=model.codec)(TEXT)
+    for sample in (False, True):
+        model.generate(**inputs, max_new_tokens=2, do_sample=sample, output_audio=False)
+    with torch.no_grad():
+        loaded_runner(model, step_prompt(model), 0).step()
+
+
+def fill_store(checkpoint: str, cpu_path: str, environment: dict, store: str) -> None:
+    """Warm processes until one asks for no compile (each waits for the background compiles asked, one at a time)."""
+    for _ in range(8):
+        subprocess.run([sys.executable, __file__, "--child", cpu_path, "--warm", "--checkpoint", checkpoint],
+                       capture_output=True, text=True, env=environment, check=True)
+        if not glob.glob(os.path.join(store, "*", "*.lock")):
+            return
+        while glob.glob(os.path.join(store, "*", "*.lock")):
+            time.sleep(5)
 
 
 def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
@@ -77,14 +132,15 @@ def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
 
     from transformers_drama3 import Drama3AudioStreamer, Drama3Processor, FishOmniForSpeech
 
-    report = {"load_average": os.getloadavg()[0]}
-    start = time.perf_counter()
+    report = {"load_average": os.getloadavg()[0], "memory_mib": {"imported": memory_mib()}}
+    start, start_cpu = time.perf_counter(), time.process_time()
     model = FishOmniForSpeech.from_pretrained(checkpoint, cpu_path=cpu_path).eval()
     processor = Drama3Processor.from_pretrained(checkpoint, codec=model.codec)
-    report.update(path=model.cpu_path, load_s=time.perf_counter() - start,
+    report.update(path=model.cpu_path, load_s=time.perf_counter() - start, load_cpu_s=time.process_time() - start_cpu,
                   weights_gib=sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30)
     inputs = processor(TEXT)
     report["prompt_rows"] = inputs["input_ids"].shape[1]
+    report["memory_mib"]["loaded"] = memory_mib()
     for call in ("first", "later"):
         chunks = []
         streamer = Drama3AudioStreamer(model.codec, first_chunk_frames=1,
@@ -98,15 +154,23 @@ def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
     out = model.generate(**inputs, max_new_tokens=32, do_sample=False, output_audio=False)
     report["generate_32_s"], report["generate_32_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
     report["generated_frames"] = len(out.codes[0][0])
-    report["rss_before_one_shot_decode_gib"] = resident_gib()
+    report["memory_mib"]["generated"] = memory_mib()
+    report["peak_rss_before_decode_gib"] = peak_gib()
+    stream = model.codec.stream()
+    begin, cpu = time.perf_counter(), time.process_time()
+    for chunk in out.codes[0][None].split(7, dim=-1):
+        stream.decode(chunk)
+    report["codec_32_streamed_s"] = time.perf_counter() - begin
+    report["codec_32_streamed_cpu_s"] = time.process_time() - cpu
+    report["peak_rss_streamed_decode_gib"] = peak_gib()
+    report["memory_mib"]["streamed decode"] = memory_mib()
     begin, cpu = time.perf_counter(), time.process_time()
     model.codec.decode(out.codes[0][None])
     report["codec_32_s"], report["codec_32_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
-    prompt = torch.zeros(1, 50, 1 + model.config.num_codebooks, dtype=torch.long)
-    prompt[..., 0] = torch.randint(0, model.config.eos_token_id, (1, 50), generator=torch.Generator().manual_seed(0))
+    report["memory_mib"]["one-shot decode"] = memory_mib()
     wall, cpu = [], []
     with torch.no_grad():
-        runner = loaded_runner(model, prompt, 0)
+        runner = loaded_runner(model, step_prompt(model), 0)
         for _ in range(4):
             runner.step()
         for _ in range(frames):
@@ -116,8 +180,9 @@ def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
             cpu.append(time.thread_time() - thread)
     report["step_ms"] = 1e3 * statistics.median(wall)
     report["step_cpu_ms"] = 1e3 * statistics.median(cpu)
+    report["stored_frames"] = runner.stored_frames
     report["frames"] = out.sequences[0, report["prompt_rows"]:].tolist()
-    report["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    report["peak_rss_gib"] = peak_gib()
     return report
 
 
@@ -127,12 +192,21 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(args.threads)
+        if args.warm:
+            warm(args.checkpoint, args.child)
+            return
         print(json.dumps(measure(args.checkpoint, args.child, args.frames)))
         return
     checkpoint = args.checkpoint or small_checkpoint()
     paths = args.paths.split(",")
     runs = {path: [] for path in paths}
-    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    from transformers_drama3.generation.stored_steps import STORE_VARIABLE, default_directory
+
+    store = args.store or str(default_directory())
+    environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), STORE_VARIABLE: store}
+    for path in paths if not args.no_fill else ():
+        if path != "float32":
+            fill_store(checkpoint, path, environment, store)
     for _ in range(args.rounds):
         for path in paths:
             result = subprocess.run([sys.executable, __file__, "--child", path, "--checkpoint", checkpoint,
@@ -140,9 +214,11 @@ def main() -> None:
                                     capture_output=True, text=True, env=environment, check=True)
             runs[path].append(json.loads(result.stdout.strip().splitlines()[-1]))
     reference = runs[paths[0]][0]["frames"]
-    names = ("step_ms", "step_cpu_ms", "generate_32_s", "generate_32_cpu_s", "codec_32_s", "codec_32_cpu_s",
-             "first_audio_first_call_s", "first_audio_later_call_s", "first_audio_later_call_cpu_s", "load_s",
-             "peak_rss_gib", "rss_before_one_shot_decode_gib", "weights_gib", "load_average")
+    names = ("step_ms", "step_cpu_ms", "stored_frames", "generate_32_s", "generate_32_cpu_s", "codec_32_streamed_s",
+             "codec_32_streamed_cpu_s", "codec_32_s", "codec_32_cpu_s", "first_audio_first_call_s",
+             "first_audio_first_call_cpu_s", "first_audio_later_call_s", "first_audio_later_call_cpu_s", "load_s",
+             "load_cpu_s", "peak_rss_before_decode_gib", "peak_rss_streamed_decode_gib", "peak_rss_gib", "weights_gib",
+             "load_average")
     print(f"CPU path, {args.threads} thread(s), {args.rounds} processes per path; min / median")
     for path, results in runs.items():
         figures = ", ".join(f"{name} {min(r[name] for r in results):.3g} / "

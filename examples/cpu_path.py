@@ -2,10 +2,11 @@
 
     python examples/cpu_path.py [--model fishaudio/drama-3] [--text "Hello there."] [--output cpu.wav]
 
-On a machine without a GPU `from_pretrained` without a dtype brings the weights to the format this CPU computes
-fastest (`model.cpu_path`: "bfloat16" where the CPU has native bfloat16, else "float16"); `cpu_path="float32"` (or
-`DRAMA3_CPU_PATH=float32`) opts out. Without `--model` it uses the embedded tiny random checkpoint: it runs anywhere
-in seconds and speaks noise.
+On a machine without a GPU `from_pretrained` without a dtype takes the CPU path (`model.cpu_path`: "float16" on
+every CPU: float16 weights over float32 activations), and its frame step runs compiled once a compiled step is
+stored: the first run compiles it in a background process for the runs after it (docs/usage.md, "The CPU path").
+`cpu_path="float32"` (or `DRAMA3_CPU_PATH=float32`) opts out. Without `--model` it uses the embedded tiny random
+checkpoint: it runs anywhere in seconds and speaks noise.
 """
 
 import time

@@ -143,8 +143,12 @@ def test_one_background_compile_at_a_time_and_a_failed_one_is_not_tried_again(tm
     started[0].unlink()  # ... until "a" is done; then "b" starts when asked again
     assert store.compile_later(request, ("model", "b"))
     store.path(("model", "c")).with_suffix(".failed").write_text("RuntimeError: no")
-    started[1].unlink()
     assert not store.compile_later(request, ("model", "c")) and len(started) == 2
+    # "b"'s process died without removing its lock (killed): its lock does not hold "d" back.
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    started[1].with_suffix(".pid").write_text(ended.stdout.strip())
+    assert stored_steps.compiling(started[1]) is False
+    assert store.compile_later(request, ("model", "d")) and not started[1].exists()
 
 
 def test_the_store_is_off_by_its_variable_and_for_other_paths(monkeypatch):

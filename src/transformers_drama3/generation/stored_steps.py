@@ -1,16 +1,16 @@
 """The frame step compiled ahead of time and kept on disk: the CPU path's step without a compile in the process.
 
-The frame step compiled by inductor (`torch.compile(..., fullgraph=True)`) runs a CPU frame in about half the eager
-step's time, but compiling it takes minutes, and a later process that finds inductor's kernels in its cache still
+The frame step compiled by inductor (`torch.compile(..., fullgraph=True)`) runs a CPU frame in a third to a half of
+the eager step's time, but compiling it takes minutes, and a later process that finds inductor's kernels in its cache still
 traces the step again (tens of seconds). torch's ahead-of-time compile keeps the traced code too
 (`torch.compile(...).aot_compile`, `save_compiled_function`, `torch.compiler.load_compiled_function`): a later
 process loads a stored step in a second, the first time, and in a fraction of one after that (docs/performance.md,
 "The CPU path").
 
 `StepStore` keeps one file per *step key*: a hash of everything the compiled code depends on besides the values of
-tensors (`step_description`: versions and sources, the CPU's vector capability and the thread count, the model's
-configuration, modules, parameter shapes and dtypes, the state's sizes, the attention window and the sampling
-variant). Dynamo's guards do that work for an in-process compile, but on this step they cannot all be stored (identity
+tensors (`model_description`: versions and sources, the CPU's vector capability and the thread count, the model's
+configuration, modules, parameter shapes and dtypes; `state_description`: the state's sizes, the attention window and
+the sampling variant). Dynamo's guards do that work for an in-process compile, but on this step they cannot all be stored (identity
 and type guards on transformers' kernel wrappers), so a stored step keeps none and its key stands for them.
 
 A model on the CPU path (`model.cpu_path == "float16"`, the default one) runs the stored step of a frame state when
@@ -24,6 +24,8 @@ which the store keeps in its own `inductor` folder unless `TORCHINDUCTOR_CACHE_D
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import getpass
 import hashlib
 import json
@@ -65,23 +67,20 @@ def _digest(value) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()
 
 
-_SOURCES: dict[str, str] = {}
-
-
+@functools.cache
 def source_digest() -> str:
-    """A hash of the package's Python sources (an edited checkout must not load steps traced from other code)."""
-    if "package" not in _SOURCES:
-        root = Path(__file__).resolve().parent.parent
-        digest = hashlib.sha256()
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode())
-            digest.update(path.read_bytes())
-        _SOURCES["package"] = digest.hexdigest()
-    return _SOURCES["package"]
+    """A hash of the package's Python sources, read once a process (an edited checkout must not load steps traced
+    from other code)."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def model_description(model) -> dict:
-    """What a compiled step depends on in the model and the process (the state's part is `step_description`'s)."""
+    """What a compiled step depends on in the model and the process (the state's part is `state_description`'s)."""
     import transformers
 
     config = model.config.to_dict()
@@ -139,7 +138,8 @@ def default_directory() -> Path | None:
 
 class StepStore:
     """Stored compiled steps in `directory`: `<model key>/<state key>.step`, with `.json` (what the key covers),
-    `.lock` (a background compile running), `.failed` (its error: not tried again) beside each."""
+    `.lock` and `.pid` (a background compile running, its process), `.log` (its output), `.failed` (its error: not
+    tried again) beside each."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory)
@@ -182,8 +182,9 @@ class StepStore:
             except Exception as error:  # noqa: BLE001  (a stale or damaged file: the eager step runs)
                 logger.warning("the stored frame step %s could not be loaded (%s): the eager step runs", path, error)
             if step is not None:
-                os.utime(path)  # the most recently used step is the one `preload` loads
                 self.used.add(path)
+                with contextlib.suppress(OSError):  # (a store that cannot be written still serves its steps)
+                    os.utime(path)  # the most recently used step is the one `preload` loads
             self._loaded[path] = step
             return step
 
@@ -230,12 +231,12 @@ class StepStore:
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         for other in self.directory.glob("*/*.lock"):  # one background compile at a time: the others wait
-            if time.time() - other.stat().st_mtime > STALE_LOCK_S:
-                other.unlink(missing_ok=True)
-            else:
+            if compiling(other):
                 with self._lock:
                     self._asked.discard(path)  # asked again at the runner's next look
                 return False
+            other.unlink(missing_ok=True)  # its process died (killed, or the machine restarted)
+            other.with_suffix(".pid").unlink(missing_ok=True)
         try:
             descriptor = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
@@ -248,6 +249,8 @@ class StepStore:
         except OSError:
             lock.unlink(missing_ok=True)
             raise
+        if lock.exists():  # (a compile that already ended needs no process id)
+            lock.with_suffix(".pid").write_text(str(process))
         logger.info("compiling the CPU frame step for later runs in the background (process %s, log %s); this run "
                     "uses the eager step", process, path.with_suffix(".log"))
         return True
@@ -262,6 +265,28 @@ class StepStore:
             return
         if steps:
             self.load((model_key, steps[-1].stem))
+
+
+def compiling(lock: Path) -> bool:
+    """Whether the background compile holding `lock` still runs: its process (`.pid` beside it; a lock without one is
+    being started) is alive, and it has held the lock for less than `STALE_LOCK_S`."""
+    try:
+        if time.time() - lock.stat().st_mtime > STALE_LOCK_S:
+            return False
+        pid = int(lock.with_suffix(".pid").read_text())
+    except FileNotFoundError:
+        return lock.exists()
+    except (OSError, ValueError):
+        return False
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0: is it there
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # there, another user's
+        return True
+    return True
 
 
 def start_compile(lock: Path, environment: dict) -> int:
@@ -369,7 +394,9 @@ def compile_in_background(lock: str) -> None:
         raise
     finally:
         lock.unlink(missing_ok=True)
+        lock.with_suffix(".pid").unlink(missing_ok=True)
 
 
-__all__ = ["MAX_SLOTS", "STORE_VARIABLE", "StepStore", "compile_in_background", "compile_into_store", "compile_request", "frame_step", "model_description", "model_key",
-           "preload_steps", "rebuilt_state", "start_compile", "state_description", "step_key", "store_at", "store_for"]
+__all__ = ["MAX_SLOTS", "STORE_VARIABLE", "StepStore", "compile_in_background", "compile_into_store", "compile_request",
+           "compiling", "frame_step", "model_description", "model_key", "preload_steps", "rebuilt_state",
+           "start_compile", "state_description", "step_key", "store_at", "store_for"]

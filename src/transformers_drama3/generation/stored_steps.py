@@ -280,6 +280,8 @@ def compiling(lock: Path) -> bool:
         return False
     if pid <= 0:
         return False
+    if os.name != "posix":  # (elsewhere os.kill ends the process: the lock's age decides alone)
+        return True
     try:
         os.kill(pid, 0)  # signal 0: is it there
     except ProcessLookupError:
@@ -385,7 +387,8 @@ def compile_in_background(lock: str) -> None:
     into the store, then remove the lock; on a failure, write the error beside it (it is not tried again)."""
     lock = Path(lock)
     request = json.loads(lock.read_text())
-    os.nice(10)
+    if hasattr(os, "nice"):  # (POSIX)
+        os.nice(10)
     torch.set_num_threads(request["threads"])
     try:
         compile_into_store(request)

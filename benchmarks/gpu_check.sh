@@ -37,6 +37,9 @@ BUDGET=${BUDGET:-470}
 SITE=${SITE:-/tmp/drama3-site}
 export PYTHONPATH="src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1  # the machine has no network
+# No stored CPU steps (generation/stored_steps.py): on a CPU rehearsal their background compiles would compete with
+# the timed stages; a GPU's paths never use them.
+export DRAMA3_STEP_STORE=off
 DEADLINE=$(( $(date +%s) + BUDGET ))
 LOGS=$(mktemp -d)  # one log per stage, and stages.tsv: the summary's input
 mkdir -p "$OUT"

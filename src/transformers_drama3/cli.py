@@ -125,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="under torchrun: split the backbone over the ranks by tensor parallelism or by whole experts "
                      "(default: expert); each rank uses GPU LOCAL_RANK, or the CPU")
     run.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
-                     help="weights dtype (default: bfloat16 on a GPU; on the CPU the CPU path: bfloat16 or float16 weights "
-                          "over float32, see DRAMA3_CPU_PATH; float32 for the exact reference); the codec stays float32")
+                     help="weights dtype (default: bfloat16 on a GPU; on the CPU the CPU path: float16 weights over "
+                          "float32, see DRAMA3_CPU_PATH; float32 for the exact reference); the codec stays float32")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars or messages")
     run.add_argument("--summary", action="store_true", help="load the checkpoint, print a model summary and exit")
     return parser

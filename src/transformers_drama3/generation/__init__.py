@@ -7,7 +7,8 @@ One frame goes through these modules in this order (docs/architecture.md, "One f
 - runner.py: `FrameRunner`, the slots of the running sequences in one frame state, grown and shrunk;
 - state.py: `FrameState`, the buffers of one step and the step itself (backbone, tower, feedback);
 - rules.py: the sampling rule and stopping criteria that the step calls; sampling.py: the draws they make;
-- cuda_graphs.py: the step captured and replayed on a GPU; observer.py: what a `generate` call adds to each frame;
+- cuda_graphs.py: the step captured and replayed on a GPU; stored_steps.py: on the CPU path, the step compiled ahead
+  of time and stored; observer.py: what a `generate` call adds to each frame;
 - continuous_batching.py: transformers' `generate_batch` / `init_continuous_batching` over the engine.
 """
 

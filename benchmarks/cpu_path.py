@@ -94,6 +94,29 @@ def step_prompt(model):
     return prompt
 
 
+def timed_steps(model, frames: int) -> dict:
+    """The frame step `generate` runs (sampled, after `step_prompt`): 4 warm-up steps, then the median wall and
+    calling-thread CPU ms of `frames` steps (`step_ms`, `step_cpu_ms`), each step's wall ms, and how many steps a
+    stored compiled step ran (`stored_frames`, the warm-up's included)."""
+    import torch
+
+    sys.path.insert(0, HERE)
+    from frame_step import loaded_runner
+
+    wall, cpu = [], []
+    with torch.no_grad():
+        runner = loaded_runner(model, step_prompt(model), 0)
+        for _ in range(4):
+            runner.step()
+        for _ in range(frames):
+            begin, thread = time.perf_counter(), time.thread_time()
+            runner.step()
+            wall.append(time.perf_counter() - begin)
+            cpu.append(time.thread_time() - thread)
+    return {"step_ms": 1e3 * statistics.median(wall), "step_cpu_ms": 1e3 * statistics.median(cpu),
+            "step_ms_all": [1e3 * t for t in wall], "stored_frames": runner.stored_frames}
+
+
 def warm(checkpoint: str, cpu_path: str) -> None:
     """Run each kind of step `measure` runs (greedy and sampled `generate`, the timed runner) once, so that the step
     store is asked for every missing step."""
@@ -125,11 +148,6 @@ def fill_store(checkpoint: str, cpu_path: str, environment: dict, store: str) ->
 
 def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
     """One process's figures (module docstring)."""
-    import torch
-
-    sys.path.insert(0, HERE)
-    from frame_step import loaded_runner
-
     from transformers_drama3 import Drama3AudioStreamer, Drama3Processor, FishOmniForSpeech
 
     report = {"load_average": os.getloadavg()[0], "memory_mib": {"imported": memory_mib()}}
@@ -168,19 +186,7 @@ def measure(checkpoint: str, cpu_path: str, frames: int) -> dict:
     model.codec.decode(out.codes[0][None])
     report["codec_32_s"], report["codec_32_cpu_s"] = time.perf_counter() - begin, time.process_time() - cpu
     report["memory_mib"]["one-shot decode"] = memory_mib()
-    wall, cpu = [], []
-    with torch.no_grad():
-        runner = loaded_runner(model, step_prompt(model), 0)
-        for _ in range(4):
-            runner.step()
-        for _ in range(frames):
-            begin, thread = time.perf_counter(), time.thread_time()
-            runner.step()
-            wall.append(time.perf_counter() - begin)
-            cpu.append(time.thread_time() - thread)
-    report["step_ms"] = 1e3 * statistics.median(wall)
-    report["step_cpu_ms"] = 1e3 * statistics.median(cpu)
-    report["stored_frames"] = runner.stored_frames
+    report.update(timed_steps(model, frames))
     report["frames"] = out.sequences[0, report["prompt_rows"]:].tolist()
     report["peak_rss_gib"] = peak_gib()
     return report
@@ -202,9 +208,10 @@ def main() -> None:
     runs = {path: [] for path in paths}
     from transformers_drama3.generation.stored_steps import STORE_VARIABLE, default_directory
 
-    store = args.store or str(default_directory())
+    directory = default_directory()  # None when DRAMA3_STEP_STORE is off: then nothing is filled
+    store = args.store or ("off" if directory is None else str(directory))
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), STORE_VARIABLE: store}
-    for path in paths if not args.no_fill else ():
+    for path in paths if not args.no_fill and store != "off" else ():
         if path != "float32":
             fill_store(checkpoint, path, environment, store)
     for _ in range(args.rounds):

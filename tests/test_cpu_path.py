@@ -23,6 +23,7 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 from tests.conftest import GOLDEN_TINY
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
 from transformers_drama3.cpu_path import ENVIRONMENT_VARIABLE, apply_cpu_path, resolve_cpu_path
+from transformers_drama3 import cpu_weights
 from transformers_drama3.cpu_weights import FLOAT16_ROWS, CpuEmbedding, CpuExperts, CpuLinear, stored
 
 FLOAT16_U = 2.0**-11
@@ -126,6 +127,22 @@ def test_cpu_experts_equal_transformers_experts_on_the_same_rounded_weights(gold
             bound[token] += weights[token, k] * pair_bound(hidden[token].double(), Rounded.gate_up_proj[expert].double(),
                                                            Rounded.down_proj[expert].double(), u)
     assert ((actual - expected).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("weight_format", ["float16", "int8"])
+def test_quantised_experts_converted_a_few_at_a_time_equal_the_whole_layer_converted(golden_model, weight_format,
+                                                                                       monkeypatch):
+    """`from_experts` dequantises the FP8 experts a few at a time (the load's peak memory): bit for bit what storing
+    the whole layer's float32 weights gives, with chunks that do not divide the experts (4 experts, 3 at a time)."""
+    experts = golden_model.backbone.layers[0].mlp.experts
+    monkeypatch.setattr(cpu_weights, "DEQUANTISED_EXPERTS", 3)
+    fast = CpuExperts.from_experts(experts, golden_model.config.text_config, weight_format)
+    for name in ("gate_up_proj", "down_proj"):
+        whole = stored(experts.dequantized(name, None, torch.float32), weight_format)
+        kept = (getattr(fast, name), getattr(fast, f"{name}_scale"))
+        for expected, actual in zip(whole, kept):
+            assert actual.dtype == expected.dtype and torch.equal(actual, expected)
+        assert (kept[1] is None) == (len(whole) == 1)
 
 
 def pair_bound(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, u: float) -> torch.Tensor:

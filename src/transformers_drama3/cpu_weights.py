@@ -40,6 +40,9 @@ INT8_ACTIVATIONS = torch.bfloat16
 # 0.95 ms for 1 / 2 / 3 / 4 rows in float16 against 0.50 / 0.75 / ~1.4 / 0.78 ms cast to float32, and 14.0 against
 # 4.8 ms for a 61-row prefill (1 thread; benchmarks/cpu_weight_formats.py --rows 1,2,3,4,61).
 FLOAT16_ROWS = 3
+# Quantised experts are dequantised this many at a time when converted (`CpuExperts.from_experts`): 16 of the real
+# model's experts are 200 MiB in float32, against 3.2 GB for a layer's 256.
+DEQUANTISED_EXPERTS = 16
 
 
 def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,7 +103,11 @@ class CpuLinear(nn.Module):
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:
     """Whether every value of `weight` is a bfloat16 value (then `CpuEmbedding` keeps it exactly in 16 bits)."""
-    return weight.dtype == torch.bfloat16 or bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
+    if weight.dtype == torch.bfloat16:
+        return True
+    # A few rows at a time: the real vocabulary's table is 2 GB in float32, and a whole copy in each dtype would add
+    # 3 GB to a load's peak.
+    return all(torch.equal(rows.to(torch.bfloat16).to(rows.dtype), rows) for rows in weight.detach().split(4096))
 
 
 class CpuEmbedding(nn.Module):
@@ -166,22 +173,34 @@ class CpuExperts(QuantizedExperts):
 
     forward = cpu_experts_forward  # also without an experts implementation set (a module used on its own)
 
-    def __init__(self, config, weights: dict[str, torch.Tensor], weight_format: str):
+    def __init__(self, config, tensors: dict[str, tuple[torch.Tensor, ...]], weight_format: str):
+        """`tensors`: per projection, what `stored` keeps of its `[E, out, in]` weights in `weight_format`."""
         super().__init__(config)
         self.weight_format = weight_format
         for name in PROJECTIONS:
-            tensors = stored(weights[name], weight_format)
-            setattr(self, name, nn.Parameter(tensors[0], requires_grad=False))
-            setattr(self, f"{name}_scale", nn.Parameter(tensors[1], requires_grad=False) if len(tensors) > 1 else None)
+            kept = tensors[name]
+            setattr(self, name, nn.Parameter(kept[0], requires_grad=False))
+            setattr(self, f"{name}_scale", nn.Parameter(kept[1], requires_grad=False) if len(kept) > 1 else None)
 
     @classmethod
     def from_experts(cls, experts: nn.Module, config, weight_format: str) -> CpuExperts:
-        """From float experts (`Qwen3_5MoeExperts`) or quantised ones (`QuantizedExperts.dequantized`, in float32)."""
-        if isinstance(experts, QuantizedExperts):
-            weights = {name: experts.dequantized(name, None, torch.float32) for name in PROJECTIONS}
-        else:
-            weights = {name: getattr(experts, name) for name in PROJECTIONS}
-        return cls(config, weights, weight_format)
+        """From float experts (`Qwen3_5MoeExperts`) or quantised ones (`QuantizedExperts.dequantized`, in float32,
+        `DEQUANTISED_EXPERTS` experts at a time: a whole layer's float32 copy would add 3.2 GB to the load's peak at
+        the real width, as much as the layer's float16 weights twice)."""
+        if not isinstance(experts, QuantizedExperts):
+            return cls(config, {name: stored(getattr(experts, name), weight_format) for name in PROJECTIONS},
+                       weight_format)
+        tensors = {}
+        for name in PROJECTIONS:
+            kept = None
+            for ids in torch.arange(experts.num_experts).split(DEQUANTISED_EXPERTS):
+                part = stored(experts.dequantized(name, ids, torch.float32), weight_format)  # rows stored one by one
+                if kept is None:
+                    kept = tuple(piece.new_empty((experts.num_experts, *piece.shape[1:])) for piece in part)
+                for whole, piece in zip(kept, part):
+                    whole[int(ids[0]) : int(ids[-1]) + 1] = piece
+            tensors[name] = kept
+        return cls(config, tensors, weight_format)
 
     def matrix(self, name: str, expert) -> tuple[torch.Tensor, ...]:
         """The stored matrix `[out, in]` of `name` for one expert: an int (a view) or a one-id tensor (a gather)."""

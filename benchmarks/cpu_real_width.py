@@ -20,9 +20,11 @@ fresh process per layer count and round, the layer counts interleaved, `--rounds
   start.
 
 Per layer: the slope of the least-squares line through the median frame time at each layer count (at least two
-counts; the counts differ in backbone layers only); at 40 layers: that line's value at 40, an extrapolation. Before
-the rounds the step store (`--store`, default the package's) is filled as benchmarks/cpu_path.py fills it, once per
-checkpoint and thread count (`--no-fill` measures what it holds).
+counts of at least 4: the real pattern's first full-attention layer is the fourth, and a backbone without one is
+refused by transformers' cache and by the llama.cpp port alike; the counts differ in backbone layers only); at 40
+layers: that line's value at 40, an extrapolation. Before the rounds the step store (`--store`, default the
+package's) is filled as benchmarks/cpu_path.py fills it, once per checkpoint and thread count (`--no-fill` measures
+what it holds).
 
 Memory: the 4-layer checkpoint is 9.6 GB on disk; its load holds about 15 GB of anonymous memory at its peak (the
 dense weights in float32 while loading, then float16) and 12 GB once loaded, and `ru_maxrss` reads about 21 GB (the
@@ -30,7 +32,7 @@ checkpoint's pages read through its memory map count too); the writer holds one 
 a time. Disk: `--keep` keeps the checkpoints,
 otherwise they are deleted at the end.
 
-    python benchmarks/cpu_real_width.py --layers 1,2,4 --threads 1 --rounds 3 --directory /path/to/scratch \
+    python benchmarks/cpu_real_width.py --layers 4,8 --threads 1 --rounds 2 --directory /path/to/scratch \
         --output real-width.json
     python benchmarks/cpu_real_width.py --layers 4 --write-only --directory /path/to/scratch   # write and keep
     python benchmarks/cpu_real_width.py --load-only /path/to/scratch/layers-4     # the load's time and memory only
@@ -59,7 +61,7 @@ GB = 1e9
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", default="1,2,4", help="backbone layer counts, comma-separated (default 1,2,4)")
+    parser.add_argument("--layers", default="4,8", help="backbone layer counts, multiples of 4 (default 4,8)")
     parser.add_argument("--directory", default=None, help="where the checkpoints are written (layers-N folders)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rounds", type=int, default=3, help="processes per layer count, interleaved (default 3)")
@@ -251,6 +253,9 @@ def main() -> None:
     if args.directory is None:
         raise SystemExit("--directory is needed: where the checkpoints are written (several GB each)")
     counts = [int(n) for n in args.layers.split(",")]
+    if min(counts) < 4:
+        raise SystemExit(f"--layers {args.layers}: each count must be 4 or more (the fourth layer is the first with "
+                         "full attention, which the model's cache needs)")
     os.makedirs(args.directory, exist_ok=True)
     paths = {n: write_checkpoint(args.directory, n) for n in counts}
     if args.write_only:

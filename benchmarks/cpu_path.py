@@ -135,11 +135,11 @@ def warm(checkpoint: str, cpu_path: str) -> None:
         loaded_runner(model, step_prompt(model), 0).step()
 
 
-def fill_store(checkpoint: str, cpu_path: str, environment: dict, store: str) -> None:
-    """Warm processes until one asks for no compile (each waits for the background compiles asked, one at a time)."""
+def fill_store(warm_command: list[str], environment: dict, store: str) -> None:
+    """Run the warm process `warm_command` until one asks for no compile (each waits for the background compiles
+    asked, one at a time). The command names the timed runs' thread count: a stored step is for its thread count."""
     for _ in range(8):
-        subprocess.run([sys.executable, __file__, "--child", cpu_path, "--warm", "--checkpoint", checkpoint],
-                       capture_output=True, text=True, env=environment, check=True)
+        subprocess.run(warm_command, capture_output=True, text=True, env=environment, check=True)
         if not glob.glob(os.path.join(store, "*", "*.lock")):
             return
         while glob.glob(os.path.join(store, "*", "*.lock")):
@@ -213,7 +213,8 @@ def main() -> None:
     environment = {**os.environ, "OMP_NUM_THREADS": str(args.threads), STORE_VARIABLE: store}
     for path in paths if not args.no_fill and store != "off" else ():
         if path != "float32":
-            fill_store(checkpoint, path, environment, store)
+            fill_store([sys.executable, __file__, "--child", path, "--warm", "--checkpoint", checkpoint, "--threads",
+                        str(args.threads)], environment, store)
     for _ in range(args.rounds):
         for path in paths:
             result = subprocess.run([sys.executable, __file__, "--child", path, "--checkpoint", checkpoint,

@@ -41,7 +41,6 @@ otherwise they are deleted at the end.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -53,7 +52,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from cpu_path import peak_gib, step_prompt, timed_steps  # noqa: E402  (a sibling benchmark: its steps and memory)
+from cpu_path import fill_store, peak_gib, step_prompt, timed_steps  # noqa: E402  (a sibling benchmark: its steps and memory)
 TEXT = "Hello there, how are you today?"
 REAL_LAYERS = 40
 GB = 1e9
@@ -213,18 +212,6 @@ def measure(checkpoint: str, frames: int) -> dict:
     return report
 
 
-def fill_store(checkpoint: str, environment: dict, store: str, threads: int) -> None:
-    """Warm processes on `threads` threads (a stored step is for its thread count) until one asks for no compile
-    (each waits for the background compiles asked, one at a time)."""
-    for _ in range(8):
-        subprocess.run([sys.executable, __file__, "--child", checkpoint, "--warm", "--threads", str(threads)],
-                       capture_output=True, text=True, env=environment, check=True)
-        if not glob.glob(os.path.join(store, "*", "*.lock")):
-            return
-        while glob.glob(os.path.join(store, "*", "*.lock")):
-            time.sleep(5)
-
-
 def per_layer_fit(points: dict[int, float]) -> tuple[float, float]:
     """(per layer, at 0 layers) of the least-squares line through {layers: ms}."""
     xs, ys = list(points), list(points.values())
@@ -270,7 +257,8 @@ def main() -> None:
                "runs": {n: [] for n in counts}}
     try:
         for n in counts if not args.no_fill and store != "off" else ():
-            fill_store(paths[n], environment, store, args.threads)
+            fill_store([sys.executable, __file__, "--child", paths[n], "--warm", "--threads", str(args.threads)],
+                       environment, store)
         for _ in range(args.rounds):
             for n in counts:
                 result = subprocess.run([sys.executable, __file__, "--child", paths[n], "--threads",

@@ -326,11 +326,14 @@ def preload_steps(model) -> None:
 def compile_request(model, state, visible: int, sampling) -> dict:
     """What a background process needs to build the same step: the model's configuration and implementations,
     the state's sizes and sampling variant, the thread count."""
+    from ..cpu_weights import CpuEmbedding
+    from ..modeling_drama3 import CandidateRowsHead  # (here: modeling_drama3 imports this module)
+
     text = model.config.text_config
     return {"config": model.config.to_dict(), "cpu_path": model.cpu_path, "attention": text._attn_implementation,
             "experts": getattr(text, "_experts_implementation", None),
-            "candidate_rows_only": type(model.lm_head).__name__ == "CandidateRowsHead",
-            "narrow_tables": type(model.tower.codebook_embeddings).__name__ == "CpuEmbedding",
+            "candidate_rows_only": isinstance(model.lm_head, CandidateRowsHead),
+            "narrow_tables": isinstance(model.tower.codebook_embeddings, CpuEmbedding),
             "batch": state.batch, "capacity": state.capacity, "ras_window": state.ras_window,
             "scores": state.scores is not None, "visible": visible, "sampling": state.sampler.sampling,
             "threads": torch.get_num_threads()}

@@ -9,7 +9,7 @@
   of float32; the checkpoint's own bfloat16 weights, kept in its memory map). FP8 experts as shipped stay in their
   module, their values and scales in bfloat16, dequantised at each call.
 - `"int8"` (only when asked for): the same parts as float16 in weight-only int8, a quarter of the float32 bytes but
-  ~30x the rounding error of float16 (docs/performance.md, "The CPU path").
+  ~30x the rounding error of float16 (docs/performance.md, "The CPU path"); its step is stored compiled too.
 - `"float32"`: everything in float32, the exact reference (what the CPU path is compared with).
 
 Why float16 on every CPU, those with native bfloat16 (AVX512-BF16, AMX) included: a decode step multiplies one row

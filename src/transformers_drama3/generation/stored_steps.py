@@ -13,9 +13,9 @@ configuration, modules, parameter shapes and dtypes; `state_description`: the st
 the sampling variant). Dynamo's guards do that work for an in-process compile, but on this step they cannot all be stored (identity
 and type guards on transformers' kernel wrappers), so a stored step keeps none and its key stands for them.
 
-A model on the CPU path (`model.cpu_path == "float16"`, the default one) runs the stored step of a frame state when
-the store has it, the eager step otherwise, and a missing step is compiled for later processes by a background
-process (`compile_later`): at low priority, and from the model's configuration alone (the weights are never read:
+A model on the CPU path (`model.cpu_path` `"float16"`, the default one, or `"int8"`) runs the stored step of a frame
+state when the store has it, the eager step otherwise, and a missing step is compiled for later processes by a
+background process (`compile_later`): at low priority, and from the model's configuration alone (the weights are never read:
 that process builds the model on the meta device and gives it uninitialised memory), so no call waits for a compile.
 States of more than `MAX_SLOTS` slots run the eager step. `DRAMA3_STEP_STORE` names the store's folder (default
 `$XDG_CACHE_HOME/transformers_drama3/steps`, or `~/.cache/...`), or `off`. Compiled kernels go to inductor's cache,
@@ -40,6 +40,8 @@ import warnings
 from pathlib import Path
 
 import torch
+
+from ..cpu_weights import WEIGHT_FORMATS
 
 STORE_VARIABLE = "DRAMA3_STEP_STORE"
 INDUCTOR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
@@ -309,8 +311,9 @@ def store_at(directory: Path) -> StepStore:
 
 
 def store_for(model) -> StepStore | None:
-    """The step store a model's frame steps use: on the float16 CPU path when the store is not `off`, else None."""
-    if getattr(model, "cpu_path", None) != "float16":
+    """The step store a model's frame steps use: on the float16 and int8 CPU paths when the store is not `off`, else
+    None."""
+    if getattr(model, "cpu_path", None) not in WEIGHT_FORMATS:
         return None
     directory = default_directory()
     return None if directory is None else store_at(directory)

@@ -1,12 +1,6 @@
 """Speech generation for Drama 3: transformers' `GenerationMixin.generate`, with Drama 3's frames as the decoding
-method it runs, then the codec.
-
-transformers merges the settings and calls the hooks overridden here, and each returns what runs (docs/architecture.md,
-"Generation"): `_prepare_generation_config` merges and checks the settings (greedy and sample only);
-`_get_logits_processor` returns the user's processors (run on the host), then `Drama3FrameSampling`;
-`_get_stopping_criteria` the user's criteria, then `Drama3EndOfSpeech` and `Drama3FrameLimit`; `_sample` runs the
-batch with those objects on a `Drama3Engine` in the calling thread, with a `GenerateObserver` for the streamer and
-the host hooks. `generate` then decodes each sequence's codes into audio.
+method it runs, then the codec. transformers calls the hooks overridden here, and each returns what runs
+(docs/architecture.md, "Generation"); `_sample` runs the batch on a `Drama3Engine` in the calling thread.
 """
 
 from __future__ import annotations

@@ -1,12 +1,7 @@
 """transformers' continuous-batching API on Drama 3: `init_continuous_batching`, `continuous_batching_context_manager`
-and `generate_batch`, with transformers' signatures, over a `Drama3Engine` (engine.py).
-
-transformers' own manager batches text tokens in a paged cache; Drama 3 makes frames, so these methods build a
-`Drama3Engine` instead, with the same method names (`add_request`, `get_result`, `request_id_iter`,
-`cancel_request`, `start`, `stop`, `is_running`). Drama 3's options come as keywords (`max_batch`, `fast_decode`,
-`compile_step`, `keep_results`) or through transformers' `ContinuousBatchingConfig` where it has the same meaning
-(`max_requests_per_batch` is `max_batch`, `use_cuda_graph` is `fast_decode`); any other field set to a value that
-is not its default is refused, naming it, since the engine could not honour it.
+and `generate_batch`, with transformers' signatures, over a `Drama3Engine` (engine.py) instead of transformers' manager
+of text tokens in a paged cache. Drama 3's options come as keywords or through the fields of transformers'
+`ContinuousBatchingConfig` that have the same meaning (`engine_options`).
 
     with model.continuous_batching_context_manager(max_batch=4) as engine:
         request_id = engine.add_request(inputs["input_ids"][0], seed=0)

@@ -1,13 +1,9 @@
 """Continuous batching: speech requests join the running batch at the next frame, from Python or a server.
 
-`Drama3Engine` keeps one `FrameRunner` (runner.py) running. A request (its prompt rows, settings, seed and frame
-limit) waits until the next frame boundary, is prefilled and admitted into a free slot; it leaves at EOS, at its frame
-limit or the context, when cancelled, or when it fails, and ends exactly once. Each request draws from its own
-random stream, so it gives the same frames alone, in a batch, and admitted while others run. `generate` runs its batch
-on this engine too, in its own thread. The names and their meaning follow transformers' continuous-batching manager.
-Exactly one thread steps the engine (its own after `start()`, or the caller's); the other methods may be called from
-any thread, and callbacks never run under the engine's lock. What happens when something fails is in
-docs/architecture.md ("One frame, file by file").
+`Drama3Engine` runs one `FrameRunner` (runner.py). A request is admitted into a free slot at a frame boundary, ends
+exactly once, and draws from its own random stream (the same frames alone, batched, or admitted while others run).
+One thread steps the engine (its own after `start()`, or the caller's); the other methods may be called from any
+thread, and callbacks never run under the engine's lock. A frame's path and failures: docs/architecture.md.
 
     with Drama3Engine(model, max_batch=8) as engine:       # a thread runs the frames
         request_id = engine.add_request(processor("Hello there.")["input_ids"][0], seed=0, temperature=0.8)

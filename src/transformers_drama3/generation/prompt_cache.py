@@ -1,11 +1,8 @@
 """Prefix caches: the backbone and tower caches of a prompt's first rows, computed once and reused by many requests.
 
-A saved voice's rows (the system start, the instruction, the reference transcript and codes: pieces 1, 2 and 2a of
-docs/format.md, "Prompt layout") come before anything a request adds, so every request with that voice starts with
-the same rows. `PromptCache.build(model, rows)` runs the teacher-forced forward over them once with caches
-(`model(rows, use_cache=True)`: a later pass extends the cached rows, docs/architecture.md "Caching");
-`generate(..., prompt_cache=cache)` then prefills from a copy of those caches and runs the backbone and tower over
-the remaining rows only. `PromptCacheStore` keeps caches under a memory bound, evicting the least recently used.
+A saved voice's rows (docs/format.md, "Prompt layout", pieces 1, 2 and 2a) start every request with that voice:
+`generate(..., prompt_cache=cache)` prefills from a copy of their caches and runs over the remaining rows only.
+`PromptCacheStore` keeps caches under a memory bound, evicting the least recently used.
 
     prefix = processor.reference_prefix_rows([voice])            # [P, 11]
     cache = PromptCache.build(model, prefix)

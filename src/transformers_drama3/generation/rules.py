@@ -1,9 +1,7 @@
-"""What each frame runs besides the networks, as transformers' `LogitsProcessor` and `StoppingCriteria` objects that
-the frame step calls on the device: the sampling rule and the stopping criteria.
-
-`generate`'s hooks return these objects and the frame step runs them as returned; the engine runs the same classes.
-None reads a value back to the host or changes a shape, and none holds per-sequence state: they read each row's
-settings, frame count and limit from the frame state's tensors, so one object serves a batch whose rows change.
+"""What each frame runs besides the networks: the sampling rule and the stopping criteria, as transformers'
+`LogitsProcessor` and `StoppingCriteria` objects that the frame step calls on the device, for `generate` and the engine.
+None reads a value back to the host, changes a shape or holds per-sequence state: they read each row's settings,
+frame count and limit from the frame state's tensors, so one object serves a batch whose rows change.
 """
 
 from __future__ import annotations

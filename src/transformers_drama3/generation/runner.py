@@ -1,11 +1,5 @@
-"""The runner of the frame step: the sequences being generated, the state they are in, and the step over them.
-
-`FrameRunner` holds the running sequences of one engine (engine.py) in the slots of one `FrameState` (state.py) and
-runs its step once per frame: eagerly, compiled (`torch.compile`), or as CUDA graph replays (cuda_graphs.py). A
-sequence is admitted from its prefill into a free slot between two frames, and its slot is marked free when it ends. A
-state is built only when its capacity changes: twice the slots when all are taken (a power of two: a CUDA graph per
-size), fewer when a quarter or less are in use (half for a `generate` batch, which nobody joins), a longer cache when
-the sequences reach its end. The first state of an eager runner has exactly the slots of its first admission.
+"""The runner of the frame step: the running sequences in the slots of one `FrameState` (state.py), admitted, moved
+and released between frames, and the step over them (eager, compiled, stored, or CUDA graph replays).
 """
 
 from __future__ import annotations

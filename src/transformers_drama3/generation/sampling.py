@@ -1,12 +1,9 @@
 """The sampling rules of Drama 3 with one setting per row, as tensors (docs/format.md, "Sampling").
 
-`kept_logits` is the official draw rule (temperature, top-p keeping or dropping the crossing token, top-k);
-`ras_log_probs` folds repetition-aware sampling ("draw; if the draw repeats a recent semantic token, draw again with
-other settings") into one distribution with the same law, `q = p1 * (1 - repeated) + p1(repeated) * p2`, so no host
-round trip is needed; `draw` takes its randomness as uniform noise (an exponential race, exact). `FrameSampler` holds
-a frame state's per-row settings as tensors at fixed addresses and fills one noise tensor per frame, outside the step,
-from each request's own `torch.Generator` (`request_generator`), so rows with different settings share one step and
-one captured graph, and seeds work as usual.
+`kept_logits` is the official draw rule; `ras_log_probs` folds repetition-aware sampling ("draw; if the draw repeats a
+recent semantic token, draw again with other settings") into one distribution with the same law,
+`q = p1 * (1 - repeated) + p1(repeated) * p2`, so no host round trip is needed; `draw` takes its randomness as uniform
+noise. `FrameSampler` holds a frame state's per-row settings and noise; `request_generator` makes a request's stream.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""Drama 3's generation settings: their defaults, and the one merge and check every door runs.
-
-`generation_settings(base, generation_config, **kwargs)` merges in transformers' order (`base` < `generation_config` <
-keywords, transformers' global defaults under all), with the model's generation config as `base`: `generate`'s hook,
-the engine and each of its requests, and the early checks of the CLI, jobs and the server before any model loads.
+"""Drama 3's generation settings: their defaults, and the one merge and check every door runs (`generation_settings`:
+`generate`'s hook, the engine and each of its requests, the early checks of the CLI, jobs and the server).
 """
 
 from __future__ import annotations

@@ -1,14 +1,5 @@
-"""The one frame step of Drama 3 generation and the state it runs over (docs/architecture.md, "One frame, file by
-file").
-
-`FrameState` holds everything a step reads and writes for `batch` sequences (slots), in fixed buffers: transformers'
-`StaticCache` for the backbone, static layers for the tower, and the last hidden state, row, position,
-cache-position mask, RAS window, noise, flags and outputs. `FrameState.step` never changes a shape, never reads a
-value back to the host and updates every buffer in place, so the same step runs eagerly, compiled, or captured as a
-CUDA graph. Every sequence writes its next row at the same cache position; a sequence admitted between two frames
-(`admit`) has its prompt rows copied to end right before it, the positions before masked as left padding is.
-Attention reads a window of the cache positions (`attention_window`), and sequences move into a state with a longer
-cache as they grow (`take`), so memory follows the rows made, never the `max_new_tokens` asked for.
+"""The one frame step of Drama 3 generation and the state it runs over, in fixed buffers updated in place (no shape
+change, no host read), so the same step runs eagerly, compiled, or as a CUDA graph (docs/architecture.md).
 """
 
 from __future__ import annotations

@@ -120,7 +120,7 @@ class Drama3GenerationMixin(GenerationMixin):
         self._kept_frame_states = None
 
     def _prepare_generation_config(self, generation_config: GenerationConfig | None, **kwargs):
-        """The merge every door runs (`generation_settings.merge_settings`): `model.generation_config` <
+        """The merge every door runs (`settings.merge_settings`): `model.generation_config` <
         `generation_config` < keywords, checked, greedy or sampled."""
         if generation_config is None:
             compat.drop_generation_values_copied_into_config(self.config, self.generation_config)

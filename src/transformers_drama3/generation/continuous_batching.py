@@ -107,12 +107,12 @@ class Drama3ContinuousBatchingMixin:
         if warmup:
             engine.warmup()
         engine.start()
+        failed = True  # until the block has run: an exception (or the generator closed) cancels what runs
         try:
             yield engine
-        except BaseException:
-            engine.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager, hard_stop=True)
-            raise
-        engine.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager)
+            failed = False
+        finally:
+            engine.stop(block=block, timeout=timeout, keep_for_next_session=persistent_manager, hard_stop=failed)
 
     @torch.no_grad()
     def generate_batch(self, inputs: list, generation_config: GenerationConfig | None = None,
@@ -134,10 +134,10 @@ class Drama3ContinuousBatchingMixin:
         rows = [torch.as_tensor(prompt) for prompt in inputs]
         hints = WorkloadHints(max_prompt_length=max(r.shape[-2] if r.dim() > 1 else 0 for r in rows),
                               max_generated_length=kwargs.get("max_new_tokens") or 0, num_requests=len(rows))
-        options = dict(max_batch=max_batch, fast_decode=fast_decode, compile_step=compile_step)
         with self.continuous_batching_context_manager(
                 generation_config, continuous_batching_config=continuous_batching_config,
-                persistent_manager=persistent_manager, warmup=warmup, workload_hints=hints, **options) as engine:
+                persistent_manager=persistent_manager, warmup=warmup, workload_hints=hints, max_batch=max_batch,
+                fast_decode=fast_decode, compile_step=compile_step) as engine:
             ids = [engine.add_request(prompt, seed=s, record_timestamps=record_timestamps, **kwargs)
                    for prompt, s in zip(rows, seeds)]
             results = {}

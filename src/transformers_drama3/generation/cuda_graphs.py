@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-
 from types import SimpleNamespace
 
 import torch

@@ -13,6 +13,7 @@ thread, and callbacks never run under the engine's lock. A frame's path and fail
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import queue
 import threading
@@ -77,7 +78,7 @@ class Drama3Engine:
         self.results: OrderedDict[str, Drama3Result] = OrderedDict()  # finished and unread, in finishing order
         self.streams: dict[str, queue.Queue] = {}  # outputs of streaming requests, running or unread
         self._ended_streams: OrderedDict[str, None] = OrderedDict()  # streams of finished requests, oldest first
-        self._handlers: dict[str, tuple[Callable, asyncio.AbstractEventLoop]] = {}  # register_result_handler
+        self._handlers: dict[str, Callable] = {}  # register_result_handler: its callback, on its event loop
         self._cancelled: set[str] = set()
         self._pending: list[torch.Tensor] = []  # frames' outputs not read back yet (device), of one slot layout
         self._pending_layout = -1  # the runner's layout of those frames
@@ -268,7 +269,7 @@ class Drama3Engine:
         with self._lock:
             if request_id not in self.requests:
                 raise KeyError(f"no running or waiting request {request_id!r} in the engine")
-            self._handlers[request_id] = (callback, loop)
+            self._handlers[request_id] = functools.partial(loop.call_soon_threadsafe, callback)
 
     @staticmethod
     def _nothing_steps(request_id) -> str:
@@ -529,8 +530,8 @@ class Drama3Engine:
                     if request.stream is not None:
                         output = request.output(frame)
                         request.stream.put(output)
-                        if key in self._handlers:  # (callback, its event loop)
-                            self._handlers[key][1].call_soon_threadsafe(self._handlers[key][0], output)
+                        if key in self._handlers:
+                            self._handlers[key](output)
                 except Exception as error:  # noqa: BLE001  (this request fails alone)
                     logger.error("request %s: on_frame failed: %s", key, error)
                     failed[key] = error
@@ -542,11 +543,8 @@ class Drama3Engine:
             if key in failed or not bool(last[slot, -2]):
                 continue
             request = self.requests[key]
-            if request.stopped:
-                reason = FINISH_STOP
-            else:
-                reason = request.limit_reason if int(last[slot, -1]) >= request.frame_limit else FINISH_EOS
-            ended.append((request, reason, None))
+            reason = request.limit_reason if int(last[slot, -1]) >= request.frame_limit else FINISH_EOS
+            ended.append((request, FINISH_STOP if request.stopped else reason, None))
         self._end(ended)
 
     def _end(self, ended: list) -> None:
@@ -577,7 +575,7 @@ class Drama3Engine:
             request.stream.put(result)
         try:
             if handler is not None:
-                handler[1].call_soon_threadsafe(handler[0], result)
+                handler(result)
             if request.on_finish is not None:
                 request.on_finish(result)
         except Exception:  # noqa: BLE001  (a caller's callback must not stop the engine)

@@ -82,17 +82,17 @@ class GenerateObserver:
         """Device work after a step: the batch view, the scores, the user's criteria (which end sequences with
         finish reason "stop")."""
         state = runner.state
+        row = self.prompt_length + self.steps  # this step's row of `sequences`
+        self.steps += 1
         if self.sequences is None and state.scores is None:  # no host hook and no scores: nothing to do per frame
-            self.steps += 1
             return
         slots, indexes, keys = self._index(runner)
         made = state.made[slots]  # [n]
         if self.sequences is not None:
-            if self.prompt_length + self.steps >= self.sequences.shape[1]:
+            if row >= self.sequences.shape[1]:
                 grow = self.sequences.new_zeros(self.batch, OUTPUT_CHUNK_FRAMES, self.sequences.shape[2])
                 self.sequences = torch.cat((self.sequences, grow), 1)
-            self.sequences[indexes, self.prompt_length + self.steps] = torch.where(made[:, None], state.new_rows[slots], 0)
-        self.steps += 1
+            self.sequences[indexes, row] = torch.where(made[:, None], state.new_rows[slots], 0)
         scores = None
         if state.scores is not None:
             scores = state.scores.new_zeros(self.batch, state.scores.shape[1])  # [B, V + 1]
@@ -102,7 +102,7 @@ class GenerateObserver:
             if self.output_scores:
                 self.scores.append(scores)
         if self.stopping_criteria:
-            stop = self.stopping_criteria(self.sequences[:, : self.prompt_length + self.steps], scores)
+            stop = self.stopping_criteria(self.sequences[:, : row + 1], scores)
             stop = torch.as_tensor(stop, device=made.device).expand(self.batch)[indexes] & made
             if bool(stop.any()):
                 engine.stop_requests([keys[i] for i in stop.nonzero()[:, 0].tolist()])

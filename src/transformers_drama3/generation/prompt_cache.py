@@ -67,8 +67,8 @@ class PromptCache:
         if rows.shape[0] < 1:
             raise ValueError("a prompt cache needs at least one prefix row")
         output = model(rows[None], use_cache=True, logits_to_keep=1)
-        caches = (output.cache, output.tower_cache)
-        return cls(rows.detach().to("cpu", torch.long).clone(), output.cache, output.tower_cache, tensor_bytes(caches))
+        return cls(rows.detach().to("cpu", torch.long).clone(), output.cache, output.tower_cache,
+                   tensor_bytes((output.cache, output.tower_cache)))
 
     @property
     def length(self) -> int:
@@ -92,8 +92,7 @@ class PromptCache:
                 "prompt cache continues every sequence from the same cached rows, so the batch's prompts must have "
                 "equal lengths (generate them one at a time, or without prompt_cache)"
             )
-        prefix = self.rows.to(input_ids.device)
-        differs = (input_ids[:, : self.length] != prefix).any(-1)  # [B, P]
+        differs = (input_ids[:, : self.length] != self.rows.to(input_ids.device)).any(-1)  # [B, P]
         if bool(differs.any()):
             index, row = (int(i) for i in differs.nonzero()[0])
             raise ValueError(

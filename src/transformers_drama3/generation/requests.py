@@ -28,9 +28,9 @@ class Drama3Result(GenerationOutput):
     A finished request (`is_finished()`: status FINISHED or FAILED) has `codes` `[NCB, n]`, the codes of all its frames
     (on the CPU), and `finish_reason`: `"eos"`, `"length"`, `"context"`, `"stop"`, `"cancelled"` or `"failed"` (then
     `exception` holds what was raised). A streamed output (status DECODING, `request_id_iter`) has `frame` instead: the
-    codes `[NCB]` of the frame just made; a stream's last output is the result itself (no `frame`). prompt_rows: the prompt's length in rows. added_at, admitted_at,
-    first_frame_at: `time.monotonic()` seconds. audio: float32 `[n * 2048]` where the caller decoded it
-    (`generate_batch`), else None.
+    codes `[NCB]` of the frame just made; a stream's last output is the result itself (no `frame`). prompt_rows: the
+    prompt's length in rows. added_at, admitted_at, first_frame_at: `time.monotonic()` seconds. audio: float32
+    `[n * 2048]` where the caller decoded it (`generate_batch`), else None.
     """
 
     codes: torch.LongTensor | None = None
@@ -79,24 +79,23 @@ class EngineRequest:
 
     def output(self, frame: torch.Tensor) -> Drama3Result:
         """The streamed output of the frame `[1 + NCB]` just made."""
-        return Drama3Result(
-            self.request_id, prompt_ids=self.prompt_ids, generated_tokens=list(self.tokens),
-            status=RequestStatus.DECODING, created_time=self.created_time, lifespan=(self.admitted_time, -1),
-            prompt_rows=len(self.prompt_ids), added_at=self.added_at, admitted_at=self.admitted_at,
-            first_frame_at=self.first_frame_at, frame=frame[1:])
+        return self._as_result(RequestStatus.DECODING, -1, frame=frame[1:])
 
     def result(self, reason: str, error: BaseException | None, num_codebooks: int) -> Drama3Result:
         """The request's `Drama3Result` as it ends with `reason` (and `error` when it failed)."""
         frames = torch.stack(self.frames) if self.frames else torch.zeros(0, 1 + num_codebooks, dtype=torch.long)
         failed = reason == FINISH_FAILED
+        return self._as_result(RequestStatus.FAILED if failed else RequestStatus.FINISHED, time.perf_counter(),
+                               error=f"{type(error).__name__}: {error}" if failed else None,
+                               timestamps=self.timestamps, codes=frames[:, 1:].T.contiguous(), finish_reason=reason,
+                               exception=error)
+
+    def _as_result(self, status: RequestStatus, ended: float, **fields) -> Drama3Result:
+        """A `Drama3Result` of this request as it is now (`ended`: its lifespan's end, -1 while it runs)."""
         return Drama3Result(
-            self.request_id, prompt_ids=self.prompt_ids, generated_tokens=list(self.tokens),
-            error=f"{type(error).__name__}: {error}" if failed else None,
-            status=RequestStatus.FAILED if failed else RequestStatus.FINISHED, created_time=self.created_time,
-            lifespan=(self.admitted_time, time.perf_counter()), timestamps=self.timestamps,
-            codes=frames[:, 1:].T.contiguous(), finish_reason=reason, prompt_rows=len(self.prompt_ids),
-            exception=error, added_at=self.added_at, admitted_at=self.admitted_at,
-            first_frame_at=self.first_frame_at)
+            self.request_id, prompt_ids=self.prompt_ids, generated_tokens=list(self.tokens), status=status,
+            created_time=self.created_time, lifespan=(self.admitted_time, ended), prompt_rows=len(self.prompt_ids),
+            added_at=self.added_at, admitted_at=self.admitted_at, first_frame_at=self.first_frame_at, **fields)
 
 
 @dataclass(eq=False)

@@ -26,10 +26,8 @@ class Drama3FrameSampling(LogitsProcessor):
         columns, -1 for none), `scores` the main-token candidate logits `[b, V + 1]` (float32). A greedy row's entry
         is not used: `main` takes its argmax."""
         first = kept_logits(scores, sampler.temperature, sampler.top_k, sampler.top_p, keep_crossing=True)
-        second = None
-        if sampler.history_width:
-            second = kept_logits(scores, sampler.ras_temperature, sampler.ras_top_k, sampler.ras_top_p,
-                                 keep_crossing=True)
+        second = (kept_logits(scores, sampler.ras_temperature, sampler.ras_top_k, sampler.ras_top_p, keep_crossing=True)
+                  if sampler.history_width else None)
         return ras_log_probs(input_ids, sampler.ras_window, first, second)
 
     def main(self, scores: torch.Tensor, history: torch.Tensor, sampler: FrameSampler,

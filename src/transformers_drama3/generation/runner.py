@@ -21,7 +21,6 @@ from .stored_steps import (MAX_SLOTS, RECHECK_S, compile_request, model_descript
 logger = logging.get_logger(__name__)
 
 
-
 class KeptStates:
     """Frame states and their CUDA graphs, kept between the calls of one owner (a model's `generate` calls with
     `fast_decode=True` on CUDA, or one engine) so that later calls replay graphs already captured.
@@ -65,9 +64,7 @@ class KeptStates:
     def lend(self, key: tuple, capacity: int) -> FrameState | None:
         """The kept state under `key` if it has room for `capacity` slots (it leaves the store), else None."""
         state = self.states.get(key)
-        if state is not None and state.capacity >= capacity:
-            return self.states.pop(key)
-        return None
+        return self.states.pop(key) if state is not None and state.capacity >= capacity else None
 
     def give_back(self, key: tuple, state: FrameState) -> None:
         """Keep `state` for later calls (the larger one when one is kept already)."""
@@ -93,21 +90,20 @@ class FrameRunner:
     """Running sequences, each under a key of its caller's, in the slots of one `FrameState`, and the one frame step
     over them (module docstring).
 
-    `sampling` and `stopping`: the rule and the device criteria the step calls (frame_rules.py). `graphs`: replay the
-    step as CUDA graphs, kept in `kept`; `compile_step`: `torch.compile` the step first (True: inductor, or a backend's
+    `sampling` and `stopping`: the rule and the device criteria the step calls (rules.py). `graphs`: replay the step
+    as CUDA graphs, kept in `kept`; `compile_step`: `torch.compile` the step first (True: inductor, or a backend's
     name); `scores`: keep each step's main-token logits; `admits_later`: sequences may join after the first admission
     (an engine's runner; not a `generate` batch's); `one_stream`: every slot draws from `generator` (None: torch's
-    default stream) instead of its own. A captured or compiled step attends over `attention_window` cache positions (a few shapes),
-    an eager one over exactly the positions in use. A model on the CPU path with neither graphs nor `compile_step` runs
-    the stored compiled step of each state of up to `MAX_SLOTS` slots where its step store has one (stored_steps.py),
-    else the eager step.
+    default stream) instead of its own. A captured or compiled step attends over `attention_window` cache positions
+    (a few shapes), an eager one over exactly the positions in use. A model on the CPU path with neither graphs nor
+    `compile_step` runs the stored compiled step of each state of up to `MAX_SLOTS` slots where its step store has one
+    (stored_steps.py), else the eager step.
 
     Failures: a method that raises either leaves the runner as it was (a state that could not be built or filled) or
     drops the state, with every sequence in it (a step or an in-place move that stopped half-way); `running` then says
-    which sequences are left. `builds` counts the states built and `moved_bytes` the bytes of running sequences' caches copied into another
-    state or to later cache positions (a newcomer's own prefill is not counted): both change only with the capacity,
-    or when a newcomer's prompt is longer than the cache positions before the next frame's (then the running
-    sequences' attention rows move, in place). `stored_frames` counts the steps a stored compiled step ran.
+    which sequences are left. `builds` counts the states built, `moved_bytes` the bytes of running sequences' caches
+    copied into another state or to later cache positions (not a newcomer's own prefill), `stored_frames` the steps a
+    stored compiled step ran.
     """
 
     def __init__(self, model, sampling: Drama3FrameSampling, stopping: StoppingCriteriaList, graphs: bool = False,
@@ -146,21 +142,10 @@ class FrameRunner:
         slots = [slot for slot, key in enumerate(self.keys) if key is not None]
         return slots, [self.keys[slot] for slot in slots]
 
-    def _slots_for(self, count: int) -> int:
-        """Slots of a new state for `count` sequences: exactly `count` for the first eager state, else a power of
-        two (few CUDA graphs; room to grow)."""
-        if self.state is None and not self.graphs:
-            return max(count, 1)
-        return 1 << max(count - 1, 0).bit_length()
-
-    def _window(self, positions: int) -> int:
-        return attention_window(positions, self.cap) if self.graphs or self.compile_backend else positions
-
     # -- states ---------------------------------------------------------------------------------------------------
 
     def _new_state(self, slots: int, capacity: int, ras_window: int, template) -> FrameState:
-        key = (slots, ras_window, self.scores)
-        state = self.kept.lend(key, capacity) if self.kept is not None else None
+        state = self.kept.lend((slots, ras_window, self.scores), capacity) if self.kept is not None else None
         if state is None:
             state = FrameState(self.model, slots, capacity, ras_window, template, self.scores)
             self.builds += 1
@@ -184,7 +169,9 @@ class FrameRunner:
             pointer = max(old.pointer - lowest, pointer)
             ras_window = max(ras_window, old.ras_window)
             template = old.cache
-        size = self._slots_for(len(slots) + extra)
+        # Exactly the slots asked for in the first eager state, else a power of two (few CUDA graphs; room to grow).
+        count = len(slots) + extra
+        size = max(count, 1) if old is None and not self.graphs else 1 << max(count - 1, 0).bit_length()
         state = self._new_state(size, attention_window(pointer + 1, self.cap), ras_window, template)
         if old is not None and slots:
             shift = pointer - old.pointer
@@ -211,12 +198,11 @@ class FrameRunner:
         # A RAS window longer than the context sees all of it: no state needs more.
         ras_window = min(max((settings_i.ras_window for settings_i in settings), default=0), self.cap)
         state = self.state
-        free = [slot for slot, key in enumerate(self.keys) if key is None]
-        if state is None or len(free) < count or state.ras_window < ras_window:
+        if state is None or self.keys.count(None) < count or state.ras_window < ras_window:
             self._move(extra=count, pointer=self.longest_prompt if state is None else prompt_length,
                        ras_window=ras_window, template=prefill.cache)
         elif not self.running:  # an empty state starts again, with room for the longest prompt seen
-            start = max(prompt_length, self.longest_prompt)
+            start = self.longest_prompt
             if start + 1 > state.capacity:
                 self._move(extra=count, pointer=start, ras_window=ras_window, template=prefill.cache)
             else:
@@ -225,8 +211,7 @@ class FrameRunner:
         elif state.pointer < prompt_length:
             self._make_earlier_room(prompt_length - state.pointer)
         state = self.state
-        free = [slot for slot, key in enumerate(self.keys) if key is None]
-        slots = free[:count]
+        slots = [slot for slot, key in enumerate(self.keys) if key is None][:count]
         index = torch.tensor(slots, device=state.write_at.device)
         try:
             state.admit(index, prefill, input_ids, self.model.row_positions(attention_mask), attention_mask,
@@ -248,8 +233,7 @@ class FrameRunner:
         if state.pointer + positions + 1 > state.capacity:
             self._move(pointer=state.pointer + positions)
             return
-        slots, _ = self.taken()
-        lowest = min(self.first[slot] for slot in slots)
+        lowest = min(self.first[slot] for slot in self.taken()[0])
         try:
             self.moved_bytes += state.shift(lowest, positions)
         except BaseException:
@@ -262,7 +246,7 @@ class FrameRunner:
         """Free the slots of the sequences `keys` (ended or cancelled); move the rest to a smaller state when a
         quarter or fewer of the slots remain in use (half without later admissions). A state emptied of its last
         sequence is kept for the next admission when it has one slot, else dropped (`close`)."""
-        index = self._slots_of(keys) if self.state is not None else None
+        index = self._slots_of(keys)  # None without a state too (it has no keys then)
         if index is None:
             return
         self.state.ended[index] = True
@@ -295,13 +279,11 @@ class FrameRunner:
     def _function(self, state: FrameState):
         """The step of `state` with the runner's rules, compiled by torch.compile with the runner's backend (kept on
         the state) when it has one: `function(visible, main_logits_hook=None)`."""
-        if not self.compile_backend:
-            return lambda visible, hook=None: state.step(visible, self.sampling, self.stopping, hook)
-        if state.compiled.get(self.compile_backend) is None:
+        if self.compile_backend and self.compile_backend not in state.compiled:
             state.compiled[self.compile_backend] = torch.compile(state.step, fullgraph=True, dynamic=False,
                                                                  backend=self.compile_backend)
-        compiled = state.compiled[self.compile_backend]
-        return lambda visible, hook=None: compiled(visible, self.sampling, self.stopping, hook)
+        step = state.compiled[self.compile_backend] if self.compile_backend else state.step
+        return lambda visible, hook=None: step(visible, self.sampling, self.stopping, hook)
 
     def _stored_step(self, state: FrameState, positions: int):
         """The stored compiled step of `state` and its attention window for `positions` rows, or None (a missing
@@ -328,7 +310,8 @@ class FrameRunner:
         """One frame for every running sequence (`state.new_rows`, `state.made`, `state.ended` then hold it)."""
         self.make_room()
         state = self.state
-        visible = self._window(state.pointer + 1)
+        rows = state.pointer + 1  # cache rows in use after this step: a captured or compiled step sees a window
+        visible = attention_window(rows, self.cap) if self.graphs or self.compile_backend else rows
         function = self._function(state)
         state.sampler.fill_noise(state.noise, self.shared_generator if self.one_stream else self.generators)
         if self.graphs:
@@ -337,7 +320,7 @@ class FrameRunner:
                 state.graphs[key] = self.kept.graphs.capture(self.model, lambda: function(visible), state.hidden.device)
             state.graphs[key].replay()
         elif (self.store is not None and main_logits_hook is None and state.batch <= MAX_SLOTS
-              and (stored := self._stored_step(state, state.pointer + 1))):
+              and (stored := self._stored_step(state, rows))):
             with torch.no_grad():
                 stored[0](state, stored[1], self.sampling, self.stopping)
             self.stored_frames += 1
@@ -368,11 +351,11 @@ class FrameRunner:
 def check_cuda_graphs(model) -> None:
     """Refuse, before any work, what a captured step cannot run: a model dispatched over several devices (offload
     hooks move weights during the step) or attention kernels that take no padding mask of fixed shape."""
-    device_map = getattr(model, "hf_device_map", None)
-    if device_map and len({str(v) for v in device_map.values()}) > 1:
+    devices = sorted({str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()})
+    if len(devices) > 1:
         raise ValueError(
             "fast_decode=True captures the frame step as a CUDA graph and needs the whole model on one device, but it "
-            f"is dispatched over {sorted({str(v) for v in device_map.values()})}; use fast_decode=False with offloading"
+            f"is dispatched over {devices}; use fast_decode=False with offloading"
         )
     attention = model.config.text_config._attn_implementation
     if attention is not None and "flash" in attention:

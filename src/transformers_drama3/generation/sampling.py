@@ -20,10 +20,8 @@ INTEGER_SETTINGS = ("top_k", "ras_window", "ras_top_k", "codebook_top_k")  # top
 SAMPLING_SETTINGS = FLOAT_SETTINGS + INTEGER_SETTINGS
 
 
-def kept_logits(
-    scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, keep_crossing: bool,
-    rank_limit: int | None = None,
-) -> torch.Tensor:
+def kept_logits(scores: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                keep_crossing: bool, rank_limit: int | None = None) -> torch.Tensor:
     """The draw rule of docs/format.md ("The draw rule") with one setting per row: float32 logits `[B, C]` scaled by
     the row's temperature, `-inf` outside its kept set.
 
@@ -62,9 +60,8 @@ def repeated_candidates(history: torch.Tensor, window: torch.Tensor, num_candida
     return hits
 
 
-def ras_log_probs(
-    history: torch.Tensor, window: torch.Tensor, first: torch.Tensor, second: torch.Tensor | None
-) -> torch.Tensor:
+def ras_log_probs(history: torch.Tensor, window: torch.Tensor, first: torch.Tensor,
+                  second: torch.Tensor | None) -> torch.Tensor:
     """Log-probabilities `[B, V + 1]` of the two-draw RAS procedure (module docstring) from the kept logits of the first
     and second rules (`[B, V + 1]`, `kept_logits`), the main-token history `[B, H]` and the windows `[B]` (0: the
     first rule alone). `second=None` when no row has a window."""
@@ -77,9 +74,8 @@ def ras_log_probs(
     return (first * ~repeated + redraw_mass * second).log()
 
 
-def draw(
-    log_probs: torch.Tensor, generator: torch.Generator | None = None, noise: torch.Tensor | None = None
-) -> torch.Tensor:
+def draw(log_probs: torch.Tensor, generator: torch.Generator | None = None,
+         noise: torch.Tensor | None = None) -> torch.Tensor:
     """One draw per row from `softmax(log_probs)` `[B, C]` -> `[B]` (-inf entries are never drawn).
 
     Exponential race (the Gumbel-max trick): with `E_i = -log(u_i)` for uniform `u` `[B, C]` in [0, 1), the index of
@@ -93,12 +89,11 @@ def draw(
 
 class FrameSampler:
     """The per-row settings and noise of one frame's draws (docs/format.md, "Sampling") for `rows` sequences, each
-    with its own settings; `frame_rules.Drama3FrameSampling` makes the draws from them.
+    with its own settings; `rules.Drama3FrameSampling` makes the draws from them.
 
-    The settings are tensors `[rows]` at fixed addresses (a captured CUDA graph reads them there): `do_sample`, the
-    main-token `temperature`, `top_k` (0: no limit), `top_p`, the RAS `ras_window` (at most the history width
-    `ras_window` given here; 0: no RAS), `ras_temperature`, `ras_top_k`, `ras_top_p`, and the codebook
-    `codebook_temperature`, `codebook_top_k` (capped at 30), `codebook_top_p`. A new sampler's rows are greedy.
+    The settings are tensors `[rows]` at fixed addresses (a captured CUDA graph reads them there): `do_sample` and
+    `SAMPLING_SETTINGS`, named as on a GenerationConfig (top-k 0: no limit; `codebook_top_k` capped at 30; `ras_window`
+    at most the history width given here, 0: no RAS). A new sampler's rows are greedy.
 
     All randomness of a frame is one uniform tensor `[rows, NCB, V + 1]` (`fill_noise`): the main token draws from
     `noise[:, 0]`, codebook `j` from `noise[:, j, :V]`; greedy rows take the argmax and use no noise.

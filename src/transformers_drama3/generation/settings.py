@@ -91,10 +91,9 @@ def merge_settings(base: GenerationConfig, generation_config: GenerationConfig |
     `generation_config` (or a new one), then `base`'s values where it leaves a setting unset, then transformers'
     global defaults, then the keywords. Only greedy and sampled decoding apply to frames.
     """
-    chosen = chosen_settings(generation_config, kwargs)
     values = {key: getattr(base, key, None) for key in DRAMA3_GENERATION_DEFAULTS}
     values = {key: DRAMA3_GENERATION_DEFAULTS[key] if value is None else value for key, value in values.items()}
-    values.update(chosen)
+    values.update(chosen_settings(generation_config, kwargs))
     check_generation_settings(values)
     settings = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     settings.update(**base.to_dict(), defaults_only=True, allow_custom_entries=True)

@@ -37,7 +37,7 @@ def row_limit(max_positions: int) -> int:
 
 
 class WindowedStaticLayer(StaticLayer):
-    """transformers' `StaticLayer` (fixed buffers, in-place writes) that returns only its first `visible_rows` positions,
+    """transformers' `StaticLayer` (fixed buffers, in-place writes) returning only its first `visible_rows` positions,
     set before each step, so attention skips the unused end of the buffers."""
 
     def __init__(self, max_cache_len: int):
@@ -52,11 +52,6 @@ class WindowedStaticLayer(StaticLayer):
         return self.visible_rows, 0
 
 
-def rows_held(layer) -> int:
-    """Rows held by a cache layer with keys (dynamic, static or tower), as a Python int (0 for an empty layer)."""
-    return int(layer.get_seq_length()) if getattr(layer, "keys", None) is not None else 0
-
-
 def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, shift: int) -> int:
     """Copy the sequences `source_index` `[n]` of `source` into slots `target_index` `[n]` of `target`'s
     preallocated layers, in place, moving every cached row by `shift` cache positions; returns the bytes copied.
@@ -69,7 +64,8 @@ def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, sh
     copied = 0
     for target_layer, layer in zip(target.layers, source.layers):
         if isinstance(target_layer, StaticLayer):
-            held, start = rows_held(layer), max(0, -shift)
+            held = int(layer.get_seq_length()) if getattr(layer, "keys", None) is not None else 0  # 0: empty
+            start = max(0, -shift)
             if held > start:
                 index = source_index.to(layer.keys.device)
                 into = target_index.to(target_layer.keys.device)
@@ -91,27 +87,22 @@ def copy_cache_rows(target: Cache, source: Cache, source_index, target_index, sh
 def allocate_like(target: Cache, source: Cache, batch: int) -> None:
     """Allocate every layer of `target` for `batch` sequences, with the shapes, dtypes and devices of `source`'s."""
     for target_layer, layer in zip(target.layers, source.layers):
-        if getattr(layer, "keys", None) is not None:
-            keys, values = layer.keys, layer.values  # [B, KV, rows, hd]
-            target_layer.lazy_initialization(
-                keys.new_empty(batch, keys.shape[1], 1, keys.shape[3]),
-                values.new_empty(batch, values.shape[1], 1, values.shape[3]),
-            )
-        conv, recurrent = getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})
-        for state_idx in conv:
-            if conv[state_idx] is None:
+        if getattr(layer, "keys", None) is not None:  # keys and values [B, KV, rows, hd]
+            target_layer.lazy_initialization(*(like.new_empty(batch, like.shape[1], 1, like.shape[3])
+                                               for like in (layer.keys, layer.values)))
+        for state_idx, conv in getattr(layer, "conv_states", {}).items():
+            if conv is None:
                 continue
-            target_layer.lazy_initialization(
-                conv_states=conv[state_idx].new_empty(batch, *conv[state_idx].shape[1:]),
-                recurrent_states=recurrent[state_idx].new_empty(batch, *recurrent[state_idx].shape[1:]),
-                state_idx=state_idx,
-            )
+            recurrent = layer.recurrent_states[state_idx]
+            target_layer.lazy_initialization(conv_states=conv.new_empty(batch, *conv.shape[1:]),
+                                             recurrent_states=recurrent.new_empty(batch, *recurrent.shape[1:]),
+                                             state_idx=state_idx)
             # Decode steps take the one-row update path, which reads this flag.
             target_layer.has_previous_state[state_idx] = True
 
 
 def step_mask(valid: torch.Tensor, dtype: torch.dtype, attention: str | None) -> torch.Tensor:
-    """The attention mask of one step's query row from the cache-position mask `valid` `[b, visible]` (True = a real row).
+    """The attention mask of one step's query row from the cache-position mask `valid` `[b, visible]` (True: real row).
 
     Kernels that take a 4-D mask (sdpa, eager, ...) get an additive bias `[b, 1, 1, visible]` (0, or the dtype's
     minimum where a position holds no row); flash-attention kernels take the 2-D padding mask `[b, visible]` itself.
@@ -177,9 +168,7 @@ class FrameState:
         self.graphs: dict[tuple, object] = {}  # captured steps (cuda_graphs.py), per sampling key and window
         self.compiled: dict[str, object] = {}  # `step` compiled by torch.compile, per backend
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Sequences in and out
-    # ------------------------------------------------------------------------------------------------------------
+    # -- sequences in and out -------------------------------------------------------------------------------------
 
     def start_at(self, pointer: int) -> None:
         """Set the cache position of the next row of an empty state: admitted sequences end just before it."""
@@ -269,13 +258,7 @@ class FrameState:
         self.write_at.fill_(self.pointer)
         return copied
 
-    # ------------------------------------------------------------------------------------------------------------
-    # The frame step
-    # ------------------------------------------------------------------------------------------------------------
-
-    def main_logits(self) -> torch.Tensor:
-        """Main-token logits `[b, V + 1]` (float32) of the last hidden states."""
-        return self.model.main_logits(self.hidden, self.candidates, self.head_weight).float()
+    # -- the frame step --------------------------------------------------------------------------------------------
 
     def step(self, visible: int, sampling: Drama3FrameSampling, stopping: StoppingCriteriaList,
              main_logits_hook: MainLogitsHook | None = None) -> None:
@@ -290,7 +273,7 @@ class FrameState:
         for layer in (*self.cache.layers, *self.tower_cache.layers):
             if isinstance(layer, WindowedStaticLayer):
                 layer.visible_rows = visible
-        logits = self.main_logits()  # [b, V + 1]
+        logits = model.main_logits(self.hidden, self.candidates, self.head_weight).float()  # [b, V + 1]
         if main_logits_hook is not None:
             logits = main_logits_hook(logits)
         if self.scores is not None:
@@ -301,10 +284,10 @@ class FrameState:
 
         attention = model.config.text_config._attn_implementation
         tower_config = model.tower.config
-        tower_device = self.tower_cache.layers[0].keys.device
-        # The tower's new row sits at the position of the last row (it lags the backbone by one): it reads the positions in
-        # use before this step's new row.
-        tower_keys = self.tower_cache.layers[0].keys
+        tower_keys = self.tower_cache.layers[0].keys  # [b, KV, capacity, hd]
+        tower_device = tower_keys.device
+        # The tower's new row sits at the position of the last row (it lags the backbone by one): it reads the
+        # positions in use before this step's new row.
         tower_mask = step_mask(self.valid[:, :visible].to(tower_device), tower_keys.dtype, attention)
         rope = rotary_angles(self.position.to(tower_device)[:, None], tower_config.rotary_dim, tower_config.rope_base)
         codes, _ = model.tower.decode_codes(

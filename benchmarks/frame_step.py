@@ -175,7 +175,7 @@ def parts_of_the_step(model, counter: OpCounter):
 
     tag(model.backbone, "forward", "backbone")
     tag(model.tower, "decode_codes", "tower")
-    tag(FrameState, "main_logits", "main-token sampling")
+    tag(model, "main_logits", "main-token sampling")
     tag(Drama3FrameSampling, "main", "main-token sampling")
     try:
         yield

@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from tests.conftest import GOLDEN_TINY
-from tests.stored_step_support import KERNELS, store_with_inline_compiles
-from tests.test_cpu_path import MARGIN, check_margin_rule
+from tests.stored_step_support import (KERNELS, check_equal_to_the_eager_step_up_to_reordering,
+                                      store_with_inline_compiles)
+from tests.test_cpu_path import check_margin_rule
 from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.generation import stored_steps
 from transformers_drama3.generation.rules import Drama3FrameSampling, frame_criteria
@@ -67,41 +68,10 @@ def test_stored_greedy_frames_follow_the_margin_rule_against_float32(compiled):
     assert covered > 0.5, covered
 
 
-def check_equal_to_the_eager_step_up_to_reordering(model, inputs, frames: torch.Tensor) -> None:
-    """`frames` (made by `model`'s stored step) equal the eager step's up to the first frame where a top-2 margin of
-    the eager path's own teacher-forced logits is within 2 * `MARGIN` (module docstring). Needs the store off."""
-    eager = model.generate(**inputs, max_new_tokens=FRAMES, do_sample=False, output_audio=False).sequences[0]
-    prompt = inputs["input_ids"].shape[1]
-    with torch.no_grad():
-        logits = model(eager[None])
-    main, heads = logits.main_logits[0, prompt - 1 : -1], logits.codebook_logits[0, prompt:]
-    top_main, top_heads = main.topk(2).values, heads.topk(2).values
-    margins = torch.minimum(top_main[:, 0] - top_main[:, 1], (top_heads[..., 0] - top_heads[..., 1]).amin(-1))
-    close = (margins < 2 * MARGIN).nonzero()
-    decided = int(close[0, 0]) if len(close) else FRAMES
-    assert decided > 0  # the comparison is not empty on this model
-    assert torch.equal(frames[: prompt + decided], eager[: prompt + decided])
-
-
 def test_stored_greedy_frames_equal_the_eager_float16_step_up_to_its_reordering(compiled, monkeypatch):
     _, model, inputs, frames = compiled
     monkeypatch.setenv(stored_steps.STORE_VARIABLE, "off")
     check_equal_to_the_eager_step_up_to_reordering(model, inputs, frames)
-
-
-def test_the_int8_path_runs_its_stored_step_and_equals_its_eager_step_up_to_its_reordering(tmp_path,
-                                                                                          golden_processor):
-    # The int8 products (cpu_weights.product) take their inputs rounded to bfloat16, so a reordering of the float32
-    # work before a product can also move one input across a bfloat16 rounding step: 2^-8 of that input, which moves
-    # the product's outputs by 2^-8 |x_i| |W[:, i]|, about 1e-4 of the logit scale on this model's unit-scale weights
-    # and activations; `MARGIN` (1e-3) still covers it.
-    with store_with_inline_compiles(tmp_path) as store:
-        model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path="int8")
-        inputs = golden_processor(TEXT)
-        model.generate(**inputs, max_new_tokens=1, do_sample=False, output_audio=False)  # asks for the step
-        frames = model.generate(**inputs, max_new_tokens=FRAMES, do_sample=False, output_audio=False).sequences[0]
-        assert len(store.used) == 1
-    check_equal_to_the_eager_step_up_to_reordering(model, inputs, frames)  # (the store is off again here)
 
 
 def test_a_later_process_loads_the_stored_step_at_its_load(compiled):

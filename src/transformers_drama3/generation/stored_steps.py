@@ -48,9 +48,9 @@ INDUCTOR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
 STORE_FORMAT = 1  # bumped when what a key covers changes
 STALE_LOCK_S = 4 * 3600  # a background compile that held its lock this long is taken to be dead
 RECHECK_S = 1.0  # how often a running state looks for a step compiled while it runs
-# The most slots a stored step is compiled for: compiled, the routed experts multiply each (token, expert) pair on its
-# own (cpu_weights.cpu_experts_forward), so the graph and its compile grow with the slots (512 slots of the tiny test
-# model compiled for over ten minutes); larger states run the eager step, whose experts multiply all their tokens at once.
+# The most slots a stored step is compiled for: each state size is a step of its own, with a background compile of
+# minutes, so only the sizes a CPU serves most (a call, a few requests batched) get one; larger states run the eager
+# step.
 MAX_SLOTS = 8
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from transformers.integrations.moe import grouped_mm_experts_forward
 
 from tests.conftest import GOLDEN_TINY
+from tests.tolerances import codec_decode_reductions, reordering_tolerance
 from transformers_drama3 import Drama3Processor, FishOmniForSpeech
 from transformers_drama3.cpu_path import ENVIRONMENT_VARIABLE, apply_cpu_path, resolve_cpu_path
 from transformers_drama3 import cpu_weights
@@ -55,6 +56,45 @@ def test_a_plain_load_on_a_cpu_takes_the_float16_path(default_path):
     weight = model.tower.residual_layers[0].transformer_layer.feed_forward.w1.weight
     assert weight.dtype == torch.float16
     assert next(model.codec.parameters()).dtype == torch.float32
+
+
+def codec_linears(codec) -> dict[str, torch.nn.Module]:
+    return {path: module for path, module in codec.named_modules() if isinstance(module, (torch.nn.Linear, CpuLinear))}
+
+
+@pytest.mark.parametrize("path", ["float16", "int8"])
+def test_the_codec_decoding_transformer_is_float16_and_decodes_as_float32_on_rounded_weights(default_path, path):
+    """On the float16 and int8 paths the codec's `quantizer.post_module` linears hold float16 weights widened to
+    float32 at each product (cpu_path.narrow_codec), read from a map of `codec.pth` of their own: the audio is then
+    the float32 codec's with those weights rounded to float16, bit for bit (the same float32 products), streamed
+    audio still equals one-shot audio to float32 reordering, and the encoding side is the float32 one."""
+    model = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path=path)
+    reference = FishOmniForSpeech.from_pretrained(GOLDEN_TINY, cpu_path="float32").codec
+    linears = codec_linears(model.codec)
+    narrowed = {name for name, module in linears.items() if isinstance(module, CpuLinear)}
+    assert narrowed and all(name.startswith("quantizer.post_module.") for name in narrowed)
+    assert narrowed == {name for name in codec_linears(reference) if name.startswith("quantizer.post_module.")}
+    assert all(linears[name].widened and linears[name].weight.dtype == torch.float16 for name in narrowed)
+    others = [p for name, p in model.codec.named_parameters() if name.rsplit(".", 1)[0] not in narrowed]
+    assert others and all(p.dtype == torch.float32 for p in others) and model.codec.dtype == torch.float32
+    with torch.no_grad():
+        for name in narrowed:
+            reference.get_submodule(name).weight.copy_(reference.get_submodule(name).weight.half().float())
+    codes = torch.randint(0, 16, (1, model.config.codec_config.num_codebooks, 9))
+    audio = model.codec.decode(codes).audio_values
+    assert torch.equal(audio, reference.decode(codes).audio_values)
+    stream = model.codec.stream()
+    streamed = torch.cat([stream.decode(codes[..., start : start + 2]).audio_values for start in range(0, 9, 2)], -1)
+    torch.testing.assert_close(streamed, audio, **reordering_tolerance(audio, codec_decode_reductions(model.codec)))
+    waveform = torch.randn(1, 3 * model.config.codec_config.frame_length) * 0.1
+    sampling_rate = model.config.codec_config.sample_rate
+    assert torch.equal(model.codec.encode(waveform, sampling_rate).audio_codes,
+                       reference.encode(waveform, sampling_rate).audio_codes)
+
+
+def test_a_widened_linear_is_float16_only():
+    with pytest.raises(ValueError, match="only float16 weights can be widened"):
+        CpuLinear(torch.nn.Linear(8, 4), "int8", widened=True)
 
 
 def test_the_path_can_be_chosen_and_an_explicit_dtype_keeps_a_plain_load(default_path, monkeypatch):
@@ -218,6 +258,7 @@ def test_apply_cpu_path_on_a_built_model_converts_in_place(golden_model):
     assert model.cpu_path == "float16"
     assert isinstance(model.backbone.layers[0].mlp.experts, CpuExperts)
     assert all(isinstance(head, CpuLinear) for head in model.tower.heads)
+    assert isinstance(model.codec.quantizer.post_module.layers[0].attention.wqkv, CpuLinear)  # from its own weights
     # Random float32 tables hold values bfloat16 cannot: they stay as they are.
     assert type(model.tower.codebook_embeddings) is torch.nn.Embedding
     with pytest.raises(ValueError, match="apply_cpu_path takes one of"):

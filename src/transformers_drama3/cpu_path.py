@@ -2,8 +2,9 @@
 
 - `"float16"` (what `"auto"` takes): the dense linears of the backbone and the tower, and the routed experts, with
   float16 weights over float32 activations (cpu_weights.py); the embedding tables of the backbone and the tower in
-  bfloat16 when that is exact (a bfloat16 checkpoint's), their rows widened to float32; norms, the router, lm_head and
-  the codec stay float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU
+  bfloat16 when that is exact (a bfloat16 checkpoint's), their rows widened to float32; the linears of the codec's
+  decoding transformer in float16 widened to float32 at each product (`narrow_codec`); norms, the router, lm_head and
+  the rest of the codec stay float32. FP8 experts as shipped are converted once: their per-call dequantisation was most of a CPU
   frame. The frame step of this path runs compiled where a stored one exists (generation/stored_steps.py).
 - `"bfloat16"` (only when asked for): the backbone, lm_head and tower in bfloat16, activations too (half the bytes
   of float32; the checkpoint's own bfloat16 weights, kept in its memory map). FP8 experts as shipped stay in their
@@ -22,7 +23,7 @@ bfloat16 and 141-148 in float32; on an AVX2 CPU float16 was as fast as int8 and 
 `"auto"` is the default of `FishOmniForSpeech.from_pretrained` on a machine with no accelerator, and so of
 `pipeline`, the commands, the server and jobs on a CPU. The `DRAMA3_CPU_PATH` environment variable or `cpu_path=`
 chooses another; an explicit `dtype` keeps the plain load in that dtype (`--dtype float32` for the commands). The
-codec always stays float32. The path a model took is `model.cpu_path` (None when the model was not loaded for a CPU):
+codec computes in float32 on every path. The path a model took is `model.cpu_path` (None when the model was not loaded for a CPU):
 tests and benchmarks read it, never a CPU flag. docs/usage.md#the-cpu-path.
 """
 
@@ -33,6 +34,7 @@ import os
 import torch
 from torch import nn
 
+from .codec_layout import memory_maps
 from .cpu_weights import WEIGHT_FORMATS, CpuEmbedding, CpuExperts, CpuLinear, can_convert, exact_in_bfloat16
 
 CPU_PATHS = ("auto", "bfloat16", "float16", "int8", "float32")
@@ -83,7 +85,7 @@ def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | 
     """Replace, in place, the dense linears of the backbone and the tower by `CpuLinear` and the routed experts by
     `CpuExperts` in `weight_format` (cpu_weights.py), and, when `narrow_tables` (None: when every table is exact in
     bfloat16, read from the values), the embedding tables by `CpuEmbedding`; the router, lm_head, norms and codec
-    stay."""
+    stay (the codec's path is `codec_for_path`)."""
     text_config = model.config.text_config
     if narrow_tables is None:
         narrow_tables = all(exact_in_bfloat16(table.weight) for table in embedding_tables(model))
@@ -103,6 +105,30 @@ def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | 
                     setattr(module, name, CpuExperts.from_experts(child, text_config, weight_format))
                 elif narrow_tables and type(child) is nn.Embedding:
                     setattr(module, name, CpuEmbedding(child))
+
+
+def narrow_codec(codec: nn.Module, source: str | None = None) -> None:
+    """The CPU path's codec, in place: the linears of `quantizer.post_module` (the windowed transformer of the
+    decoding side, 416 MiB of the real codec's 756 MiB of decoding weights in float32) in float16, widened to float32
+    at each product (`CpuLinear(..., widened=True)`: float32 arithmetic on float16-rounded weights); every other
+    weight stays float32.
+
+    `source`: the `codec.pth` the codec was built from in place (memory-mapped, docs/codec.md#memory). Each layer's
+    float16 weights are then read from a map of that file of their own, dropped after the layer, so the pages read
+    go with it: read through the codec's own map, they would stay in the process's memory beside their copies."""
+    transformer = codec.quantizer.post_module
+    if transformer is None:
+        return
+    for index, layer in enumerate(transformer.layers):
+        maps = None if source is None else memory_maps(source, 1)
+        for path, module in list(layer.named_modules()):
+            for name, child in list(module.named_children()):
+                if type(child) is not nn.Linear or child.weight.dtype != torch.float32:
+                    continue
+                if maps is not None:  # the same weight, from the layer's own map (not the codec's)
+                    key = f"quantizer.post_module.layers.{index}.{path + '.' if path else ''}{name}.weight"
+                    child.weight = nn.Parameter(maps[0][key], requires_grad=False)
+                setattr(module, name, CpuLinear(child, "float16", widened=True))
 
 
 def has_accelerator() -> bool:
@@ -145,7 +171,7 @@ def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
 
 def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = None) -> None:
     """Bring a float32 (or bfloat16) model to `path` (`resolve_cpu_path`'s answer), in place, and record it as
-    `model.cpu_path`. The codec is kept in float32. `narrow_tables`: `convert_weights`'s (None: from the values; a
+    `model.cpu_path`. The codec is brought to the path too (`codec_for_path`). `narrow_tables`: `convert_weights`'s (None: from the values; a
     model on the meta device has none to read)."""
     if path not in CPU_PATHS[1:]:
         raise ValueError(f"apply_cpu_path takes one of {', '.join(CPU_PATHS[1:])}, got {path!r}")
@@ -156,9 +182,18 @@ def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = Non
         for part in (model.backbone, model.lm_head, model.tower):
             part.to(torch.bfloat16)
     if codec is not None:
-        codec.float()
+        codec_for_path(codec, path)
     model.cpu_path = path
 
 
-__all__ = ["CPU_PATHS", "ENVIRONMENT_VARIABLE", "apply_cpu_path", "check_cpu_path", "cpu_path_for_load", "load_dtype",
-           "native_bfloat16", "requested_cpu_path", "resolve_cpu_path"]
+def codec_for_path(codec: nn.Module, path: str, source: str | None = None) -> None:
+    """Bring the codec to `path`, in place: float32, with its decoding transformer's linears in float16 on the
+    float16 and int8 paths (`narrow_codec`, with its `source`)."""
+    codec.float()
+    if path in WEIGHT_FORMATS:
+        narrow_codec(codec, source)
+
+
+__all__ = ["CPU_PATHS", "ENVIRONMENT_VARIABLE", "apply_cpu_path", "check_cpu_path", "codec_for_path",
+           "cpu_path_for_load", "load_dtype", "narrow_codec", "native_bfloat16", "requested_cpu_path",
+           "resolve_cpu_path"]

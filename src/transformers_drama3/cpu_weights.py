@@ -84,22 +84,33 @@ def can_convert(linear: nn.Module, weight_format: str) -> bool:
 
 class CpuLinear(nn.Module):
     """`nn.Linear` with its weight in a `WEIGHT_FORMATS` format: `weight [out, in]` (float16, or int8 with
-    `scale [out]`) and the float `bias [out]` if any. Frozen: the CPU path is for inference."""
+    `scale [out]`) and the float `bias [out]` if any. Frozen: the CPU path is for inference.
 
-    def __init__(self, linear: nn.Linear, weight_format: str):
+    `widened` (float16 only): every product widens the weight to the input's dtype first, whatever the rows, so the
+    result is the float32 linear's with float16-rounded weights (`product` rounds the input of a few rows to float16
+    too). The codec's linears take it: its streamed audio then still equals a one-shot decode's to float32 rounding."""
+
+    def __init__(self, linear: nn.Linear, weight_format: str, widened: bool = False):
         super().__init__()
+        if widened and weight_format != "float16":
+            raise ValueError(f"only float16 weights can be widened, not {weight_format}")
         self.in_features, self.out_features, self.weight_format = linear.in_features, linear.out_features, weight_format
+        self.widened = widened
         tensors = stored(linear.weight, weight_format)
         self.weight = nn.Parameter(tensors[0], requires_grad=False)
         self.scale = nn.Parameter(tensors[1], requires_grad=False) if len(tensors) > 1 else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.widened:
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         out = product(x, (self.weight,) if self.scale is None else (self.weight, self.scale))
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_format} weights"
+        widened = ", widened to the input's dtype" if self.widened else ""
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_format} "
+                f"weights{widened}")
 
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:

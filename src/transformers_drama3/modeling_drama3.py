@@ -23,11 +23,12 @@ from transformers.utils import ModelOutput
 from . import compat
 from .checkpoint_location import checkpoint_directory
 from .checkpoint_mapping import check_checkpoint_tensors, checkpoint_shards, expected_checkpoint_tensors
-from .codec_file import attach_codec, read_codec_file, take_codec_placement, without_codec, write_codec_file
+from .codec_file import (CodecFileStateDict, attach_codec, read_codec_file, take_codec_placement, without_codec,
+                         write_codec_file)
 from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
 from .generation.continuous_batching import Drama3ContinuousBatchingMixin
-from .cpu_path import apply_cpu_path, cpu_path_for_load
+from .cpu_path import apply_cpu_path, codec_for_path, cpu_path_for_load
 from .device_placement import execution_device
 from .generation.stored_steps import preload_steps
 from .generation_drama3 import Drama3GenerationMixin
@@ -483,6 +484,9 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         if cpu_path is not None:  # before the codec joins: the float32 weights replaced go first (peak memory)
             apply_cpu_path(model, cpu_path)
         attach_codec(model, codec_state, codec_device)
+        if cpu_path is not None:
+            source = codec_state.path if isinstance(codec_state, CodecFileStateDict) else None
+            codec_for_path(model.codec, cpu_path, source)
         if parallel is not None:
             model.split_rules = SplitModelRules()  # what generate asks of a model split over ranks
         if candidate_rows_only:

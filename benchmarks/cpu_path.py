@@ -14,7 +14,8 @@ thread), and each process reports the load average at its start. Paths run inter
 
 Before the rounds, the step store (`--store`, default the package's) is filled for each path that uses one: a
 process runs the steps measured here and waits for the background compiles they ask for, until none is missing
-(minutes, once per checkpoint, thread count and package version). `--no-fill` measures whatever the store holds.
+(minutes, once per checkpoint, thread count and package version). `--no-fill` measures whatever the store holds;
+`--rounds 0` only fills it.
 
 The checkpoint is the `small` geometry of configs.py with a tower vocabulary of 4096 and the real Fish DAC codec, FP8
 experts as shipped, written once by the package's writer (`write_tiny_checkpoint`, seed 0) into the temp directory
@@ -221,6 +222,8 @@ def main() -> None:
                                      "--threads", str(args.threads), "--frames", str(args.frames)],
                                     capture_output=True, text=True, env=environment, check=True)
             runs[path].append(json.loads(result.stdout.strip().splitlines()[-1]))
+    if not args.rounds:  # `--rounds 0`: only fill the step store
+        return
     reference = runs[paths[0]][0]["frames"]
     names = ("step_ms", "step_cpu_ms", "stored_frames", "generate_32_s", "generate_32_cpu_s", "codec_32_streamed_s",
              "codec_32_streamed_cpu_s", "codec_32_s", "codec_32_cpu_s", "first_audio_first_call_s",

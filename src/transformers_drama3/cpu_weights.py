@@ -162,12 +162,11 @@ def routed_experts(hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k
         gate, up = product(x, _expert_matrix(gate_up_proj, gate_up_proj_scale, expert)).chunk(2, dim=-1)  # [n, I]
         return product(act_fn(gate) * up, _expert_matrix(down_proj, down_proj_scale, expert))
 
-    out = hidden_states.new_zeros(tokens, hidden_states.shape[-1])  # [tokens, H]
     if tokens * top_k < num_experts:
-        for pair, expert in enumerate(ids.tolist()):
-            token = pair // top_k
-            out[token] += pair_output(hidden_states[token : token + 1], expert)[0] * weights[pair]
-        return out
+        outputs = torch.cat([pair_output(hidden_states[pair // top_k, None], expert)
+                             for pair, expert in enumerate(ids.tolist())])  # [tokens * top_k, H]
+        return (outputs * weights[:, None].to(outputs.dtype)).view(tokens, top_k, -1).sum(1)  # [tokens, H]
+    out = hidden_states.new_zeros(tokens, hidden_states.shape[-1])  # [tokens, H]
     for expert in ids.unique().tolist():
         pairs = (ids == expert).nonzero()[:, 0]  # [n] the pairs routed to this expert
         rows = pairs // top_k

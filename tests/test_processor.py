@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import soundfile
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from transformers import AutoProcessor, AutoTokenizer
 
@@ -607,6 +607,9 @@ _ROUGH = ["[", "]", "<whisper>", "</whisper>", "<b>", "<|speaker:1|>", "<|speake
 
 @settings(max_examples=200, deadline=None)
 @given(parts=st.lists(st.sampled_from(_ROUGH), min_size=1, max_size=80), max_bytes=st.integers(32, 90))
+# Cues nested in a paired tag too long to keep whole (found by this test): the cut falls between them, not inside one.
+@example(parts=["[", "<whisper>", "日本", "]", "[", "]", "</whisper>"], max_bytes=32)
+@example(parts=["[", "<whisper>", "]", "<whisper>", "</whisper>"], max_bytes=34)
 def test_split_text_rough_input_property(parts, max_bytes):
     """Any mix of tags, brackets and marks: spans that fit stay whole, tags lead, nothing is lost or reordered."""
     text = "".join(parts)

@@ -44,9 +44,19 @@ def _utf8_offsets(text: str) -> list[int]:
     return [0, *itertools.accumulate(len(char.encode("utf-8")) for char in text)]
 
 
-def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], bool]:
-    """A test `inside(position)`: does a cut at `position` fall strictly inside a span matched by `patterns`?"""
-    spans = sorted(match.span() for pattern in patterns for match in pattern.finditer(text))
+def _protected(text: str, patterns: Sequence[re.Pattern], max_bytes: int | None = None) -> Callable[[int], bool]:
+    """A test `inside(position)`: does a cut at `position` fall strictly inside a span matched by `patterns`?
+
+    With `max_bytes`, only spans of at most `max_bytes` UTF-8 bytes count, and every match counts, overlapping ones
+    too (a paired tag nested in a longer one of the same name is a span of its own). Their lazy `.*?` parts are
+    bounded to `max_bytes` characters, so that matching from every start stays linear in the text."""
+    if max_bytes is None:
+        spans = sorted(match.span() for pattern in patterns for match in pattern.finditer(text))
+    else:
+        bounded = [regex.compile(pattern.pattern.replace(".*?", f".{{0,{max_bytes}}}?"), pattern.flags)
+                   for pattern in patterns]
+        spans = sorted(match.span() for pattern in bounded for match in pattern.finditer(text, overlapped=True)
+                       if _utf8_length(match.group(0)) <= max_bytes)
     merged: list[list[int]] = []
     for start, end in spans:
         if merged and start < merged[-1][1]:
@@ -62,15 +72,17 @@ def _protected(text: str, patterns: Sequence[re.Pattern]) -> Callable[[int], boo
     return inside
 
 
-def _cut_candidates(text: str) -> list[list[int]]:
+def _cut_candidates(text: str, max_bytes: int) -> list[list[int]]:
     """Sorted allowed cut positions in `text`, best kind first.
 
     Outside every protected span: after sentence ends, after clause marks, at white space, between grapheme clusters.
-    Then inside cues and tags too long to keep whole: at white space, between grapheme clusters; last between code
-    points (one grapheme cluster, such as a letter with many combining marks, can outgrow the budget). No kind ever
-    cuts a `<|name|>` token.
+    Then inside spans too long to keep whole, but outside every cue and tag of at most `max_bytes` (nested ones
+    included): at white space, between grapheme clusters. Then inside any cue or tag: at white space, between grapheme
+    clusters; last between code points (one grapheme cluster, such as a letter with many combining marks, can outgrow
+    the budget). No kind ever cuts a `<|name|>` token.
     """
     inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    inside_fitting = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG), max_bytes)
     inside_token = _protected(text, (_TOKEN,))
     spaces = [match.start() for match in _WHITE_SPACE_RUN.finditer(text)]
     # Grapheme clusters by the third-party `regex` module (a transformers dependency): Python's `re` has no `\X`,
@@ -83,9 +95,11 @@ def _cut_candidates(text: str) -> list[list[int]]:
         graphemes,
     ]
     strict = [[p for p in level if 0 < p < len(text) and not inside(p)] for level in levels]
+    within_spans = [[p for p in positions if 0 < p < len(text) and not inside_fitting(p)]
+                    for positions in (spaces, graphemes)]
     loose = [[p for p in positions if 0 < p < len(text) and not inside_token(p)]
              for positions in (spaces, graphemes, range(1, len(text)))]
-    return strict + loose
+    return strict + within_spans + loose
 
 
 def _best_cut(levels: list[list[int]], offsets: list[int], start: int, max_bytes: int) -> int:
@@ -105,7 +119,7 @@ def _split_turn(body: str, max_bytes: int) -> list[str]:
     """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes."""
     body = body.strip(WHITE_SPACE)
     offsets = _utf8_offsets(body)
-    levels = _cut_candidates(body)
+    levels = _cut_candidates(body, max_bytes)
     pieces, start = [], 0
     while offsets[-1] - offsets[start] > max_bytes:
         cut = _best_cut(levels, offsets, start, max_bytes)

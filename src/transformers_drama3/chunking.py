@@ -119,6 +119,8 @@ def _split_turn(body: str, max_bytes: int) -> list[str]:
     """Split one speaker's turn (without its tag) into pieces of at most `max_bytes` UTF-8 bytes."""
     body = body.strip(WHITE_SPACE)
     offsets = _utf8_offsets(body)
+    if offsets[-1] <= max_bytes:  # fits: no cut, so no cut positions to find
+        return [body]
     levels = _cut_candidates(body, max_bytes)
     pieces, start = [], 0
     while offsets[-1] - offsets[start] > max_bytes:

@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 from transformers.distributed import DistributedConfig
@@ -17,6 +18,7 @@ from transformers_drama3.configuration_drama3 import Drama3TowerConfig, FishDACC
 from transformers_drama3.quantization_bsgemm import BsgemmMoeConfig
 
 from .conftest import GOLDEN_TINY
+from .tolerances import reordering_tolerance
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +47,33 @@ def test_the_backbone_takes_its_cache_under_the_shims_name(tiny_backbone):
         tiny_backbone(inputs_embeds=torch.randn(1, 3, tiny_backbone.config.hidden_size), position_ids=torch.arange(3)[None],
                       use_cache=True, **{compat.backbone_cache_argument(): cache})
     assert cache.get_seq_length() == 3
+
+
+def test_the_linear_attention_shims_read_and_advance_the_states_transformers_layer_keeps(tiny_backbone):
+    """After a 3-row prefill, `one_token_state` is the state the cache holds for a linear-attention layer (None with
+    no state), `one_token_convolution` of a 4th row continues the convolution the prefill started (equal to a
+    convolution of the 4 rows at once), and the layer's cache is found under either keyword."""
+    config = tiny_backbone.config
+    layer, norm = tiny_backbone.layers[0].linear_attn, tiny_backbone.layers[0].input_layernorm
+    assert compat.one_token_state(layer, DynamicCache(config=config)) is None
+    assert compat.one_token_state(layer, None) is None
+    cache, embeds = DynamicCache(config=config), torch.randn(1, 4, config.hidden_size)
+    with torch.no_grad():
+        tiny_backbone(inputs_embeds=embeds[:, :3], position_ids=torch.arange(3)[None], use_cache=True,
+                      **{compat.backbone_cache_argument(): cache})
+        state = compat.one_token_state(layer, cache)
+        mixed = layer.in_proj_qkv(norm(embeds)).transpose(1, 2)  # [1, channels, 4] the layer's convolution input
+        convolved = compat.one_token_convolution(layer, mixed[..., 3:], cache)  # [1, channels, 1]
+        at_once = F.silu(F.conv1d(mixed, layer.conv1d.weight, padding=layer.conv_kernel_size - 1,
+                                  groups=layer.conv_dim)[..., 3:4])
+    assert state.shape == (1, config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim)
+    assert state.abs().max() > 0
+    # The same 4 products per channel, summed in another order (then silu, |silu'| <= 1.1): float32 reordering.
+    torch.testing.assert_close(convolved, at_once, **reordering_tolerance(at_once, 2 * layer.conv_kernel_size))
+    assert compat.linear_attention_cache((), {"cache": cache}) is cache
+    assert compat.linear_attention_cache((), {"cache_params": cache}) is cache
+    assert compat.linear_attention_cache((cache,), {}) is cache
+    assert compat.linear_attention_cache((), {}) is None
 
 
 def test_sub_configs_are_declared_as_the_installed_transformers_reads_them(tmp_path):

@@ -8,6 +8,10 @@ The detections import what they inspect when first asked (and remember the answe
 Shims (transformers 5.17 -> newer, measured on 5.24 and 5.25):
 
 - `backbone_cache_argument`: the backbone's cache keyword, `past_key_values` -> `cache`.
+- `linear_attention_cache`, `one_token_state`, `one_token_convolution`: a linear-attention layer takes its cache as
+  `cache_params` and reads its states off `cache.layers[i]` -> it takes `cache`, reads them through
+  `Cache.get_recurrent_state` and convolves through transformers' `causal_conv1d_forward` (which also keeps the
+  cache's step count).
 - `cached_rows`: `Cache.get_seq_length()` reads the attention layers as a Python int -> it reads layer 0, which in
   Qwen3.5 is a linear-attention layer counting on the device (a tensor: slicing with it reads the device back).
 - `tensor_plan_splits_experts`: the backbone's tensor-parallel plan splits the routed experts along their
@@ -66,6 +70,48 @@ def backbone_cache_argument() -> str:
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextModel
 
     return "cache" if "cache" in inspect.signature(Qwen3_5MoeTextModel.forward).parameters else "past_key_values"
+
+
+def linear_attention_cache(args: tuple, kwargs: dict):
+    """The cache a linear-attention layer's forward was called with (`args`/`kwargs` after its hidden states), or
+    None: `cache` on newer versions, `cache_params` on 5.17 (keyword or second positional argument on both)."""
+    for name in ("cache", "cache_params"):
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return args[0] if args else None
+
+
+@functools.cache
+def linear_attention_state_getters() -> bool:
+    """Whether a linear-attention layer reads its cache through `Cache.get_recurrent_state` and transformers'
+    `causal_conv1d_forward` (newer) rather than through `cache.layers[i]` (5.17)."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
+
+    return hasattr(modeling_qwen3_5_moe, "causal_conv1d_forward")
+
+
+def one_token_state(layer, cache) -> torch.Tensor | None:
+    """The recurrent state `[b, Hv, dk, dv]` a one-token step of the linear-attention `layer` continues from, or None
+    where transformers' own step must run: no cache or no state yet, or (5.17) a cache recording past states."""
+    if cache is None:
+        return None
+    if linear_attention_state_getters():
+        return cache.get_recurrent_state(layer.layer_idx)
+    if not cache.has_previous_state(layer.layer_idx, state_idx=0) or cache.layers[layer.layer_idx].record_past:
+        return None
+    return cache.layers[layer.layer_idx].recurrent_states[0]
+
+
+def one_token_convolution(layer, mixed_qkv: torch.Tensor, cache) -> torch.Tensor:
+    """`mixed_qkv [b, channels, 1]` through the linear-attention `layer`'s causal convolution and activation, with
+    its convolution state in `cache` advanced one step (after `one_token_state` found a state) -> `[b, channels, 1]`."""
+    from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe as modeling
+
+    if linear_attention_state_getters():
+        return modeling.causal_conv1d_forward(layer.conv1d, mixed_qkv, cache, layer.layer_idx,
+                                              activation=layer.activation)
+    return modeling.causal_conv1d_update(mixed_qkv, cache.layers[layer.layer_idx].conv_states[0],
+                                         layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
 
 
 def sub_configs_declaration(mapping: dict[str, type]) -> dict[str, Any]:
@@ -253,6 +299,10 @@ __all__ = [
     "activation_checkpointing_names",
     "generation_defaults",
     "backbone_cache_argument",
+    "linear_attention_cache",
+    "linear_attention_state_getters",
+    "one_token_convolution",
+    "one_token_state",
     "cached_rows",
     "cast_dequantised_weights",
     "checkpointing_training_arguments",

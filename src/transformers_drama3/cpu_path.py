@@ -36,6 +36,7 @@ from torch import nn
 
 from .codec_layout import memory_maps
 from .cpu_attention import CPU_ATTENTION
+from .cpu_linear_attention import use_cpu_linear_attention
 from .cpu_weights import WEIGHT_FORMATS, CpuEmbedding, CpuExperts, CpuLinear, can_convert, exact_in_bfloat16
 
 CPU_PATHS = ("auto", "bfloat16", "float16", "int8", "float32")
@@ -173,7 +174,9 @@ def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
 def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = None) -> None:
     """Bring a float32 (or bfloat16) model to `path` (`resolve_cpu_path`'s answer), in place, and record it as
     `model.cpu_path`. The codec is brought to the path too (`codec_for_path`), and a model on `sdpa` attention to
-    `CPU_ATTENTION` (cpu_attention.py: the same outputs, without copies of the grouped key/value heads).
+    `CPU_ATTENTION` (cpu_attention.py: the same outputs, without copies of the grouped key/value heads); on every path
+    but float32 the linear-attention layers take their one-token step by `CpuGatedDeltaNet`
+    (cpu_linear_attention.py: the same outputs, up to the order of float32 sums).
     `narrow_tables`: `convert_weights`'s (None: from the values; a model on the meta device has none to read)."""
     if path not in CPU_PATHS[1:]:
         raise ValueError(f"apply_cpu_path takes one of {', '.join(CPU_PATHS[1:])}, got {path!r}")
@@ -185,6 +188,8 @@ def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = Non
             part.to(torch.bfloat16)
     if codec is not None:
         codec_for_path(codec, path)
+    if path != "float32":
+        use_cpu_linear_attention(model.backbone)
     if model.config.text_config._attn_implementation in (None, "sdpa"):
         # Set on the configuration, which hands it down to its sub-configurations (the backbone's, the tower's and the
         # codec's, which the codec ignores); `set_attn_implementation` would warn that the codec's sub-model is

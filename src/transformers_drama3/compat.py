@@ -81,10 +81,10 @@ def linear_attention_cache(args: tuple, kwargs: dict):
     return args[0] if args else None
 
 
-@functools.cache
 def linear_attention_state_getters() -> bool:
     """Whether a linear-attention layer reads its cache through `Cache.get_recurrent_state` and transformers'
-    `causal_conv1d_forward` (newer) rather than through `cache.layers[i]` (5.17)."""
+    `causal_conv1d_forward` (newer) rather than through `cache.layers[i]` (5.17). Not remembered: a compiled frame step
+    traces it (dynamo would warn about a cached function), and it is one attribute lookup."""
     from transformers.models.qwen3_5_moe import modeling_qwen3_5_moe
 
     return hasattr(modeling_qwen3_5_moe, "causal_conv1d_forward")

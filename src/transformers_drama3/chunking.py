@@ -29,6 +29,8 @@ _SPEAKER_TAG_LIKE = re.compile(r"<\|.*?\|>", re.DOTALL)
 _BRACKET_CUE = re.compile(r"\[[^\[\]]*\]")
 _PAIRED_TAG = re.compile(r"<([A-Za-z][\w:-]*)(?:\s[^<>]*)?>.*?</\1\s*>", re.DOTALL)
 _LONE_TAG = re.compile(r"</?[A-Za-z][^<>]*>")
+# The spans a cut should not fall inside: speaker tags and tokens, bracket cues, paired and lone tags.
+_KEPT_WHOLE = (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG)
 # `<|name|>` tokens that no cut may split: speaker tags and the processor's own tokens. At most 17 bytes, so one
 # fits the smallest piece budget (MIN_CHUNK_BYTES less the longest speaker tag and its space).
 _TOKEN = re.compile(r"<\|[A-Za-z0-9_:.-]{1,13}\|>")
@@ -81,8 +83,8 @@ def _cut_candidates(text: str, max_bytes: int) -> list[list[int]]:
     clusters; last between code points (one grapheme cluster, such as a letter with many combining marks, can outgrow
     the budget). No kind ever cuts a `<|name|>` token.
     """
-    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
-    inside_fitting = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG), max_bytes)
+    inside = _protected(text, _KEPT_WHOLE)
+    inside_fitting = _protected(text, _KEPT_WHOLE, max_bytes)
     inside_token = _protected(text, (_TOKEN,))
     spaces = [match.start() for match in _WHITE_SPACE_RUN.finditer(text)]
     # Grapheme clusters by the third-party `regex` module (a transformers dependency): Python's `re` has no `\X`,
@@ -180,7 +182,7 @@ def complete_sentences_end(text: str) -> int:
     """Where the complete sentences of text that is still being written end (0 if none is complete yet): after the
     last sentence end that more text follows (a "." at the very end may still become "3.5" or "..."), never inside
     `<|...|>`, `[cues]` or `<tag>...</tag>` spans. Used to speak text sentence by sentence as it arrives."""
-    inside = _protected(text, (_SPEAKER_TAG_LIKE, _BRACKET_CUE, _PAIRED_TAG, _LONE_TAG))
+    inside = _protected(text, _KEPT_WHOLE)
     ends = [match.end() for match in _SENTENCE_END.finditer(text) if match.end() < len(text)]
     return max((end for end in ends if not inside(end)), default=0)
 

@@ -121,3 +121,21 @@ def test_without_a_stored_state_the_cpu_layer_is_transformers_layer(rows):
         expected = layer(hidden_states=hidden)
         use_cpu_linear_attention(backbone)
         assert torch.equal(layer(hidden_states=hidden), expected)
+
+
+def test_a_decode_step_reads_its_mask_whether_passed_by_name_or_by_position():
+    """transformers' layer takes `(hidden_states, cache, attention_mask)`: a mask given by position masks the padded
+    sequence's row as one given by name does (a zero row for the second sequence here)."""
+    backbone = tiny_backbone()
+    use_cpu_linear_attention(backbone)
+    layer = backbone.layers[0].linear_attn
+    cache = DynamicCache(config=backbone.config)
+    with torch.no_grad():
+        backbone(input_ids=torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(3)), use_cache=True,
+                 **{backbone_cache_argument(): cache})
+        hidden, mask = torch.randn(2, 1, 64, generator=torch.Generator().manual_seed(4)), torch.tensor([[1], [0]])
+        by_name = layer(hidden, copy.deepcopy(cache), attention_mask=mask)
+        by_position = layer(hidden, copy.deepcopy(cache), mask)
+        unmasked = layer(hidden, copy.deepcopy(cache))
+    assert torch.equal(by_position, by_name)
+    assert torch.equal(by_name[0], unmasked[0]) and not torch.equal(by_name[1], unmasked[1])

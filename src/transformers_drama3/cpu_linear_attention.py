@@ -60,7 +60,9 @@ class CpuGatedDeltaNet(Qwen3_5MoeGatedDeltaNet):
         state = one_token_state(self, cache) if rows == 1 and kwargs.get("cu_seq_lens_q") is None else None
         if state is None:
             return super().forward(hidden_states, *args, **kwargs)
-        hidden_states = modeling.apply_mask_to_padding_states(hidden_states, kwargs.get("attention_mask"))
+        # transformers' signature on every supported version: (hidden_states, cache, attention_mask, **kwargs)
+        attention_mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        hidden_states = modeling.apply_mask_to_padding_states(hidden_states, attention_mask)
         mixed_qkv = self.in_proj_qkv(hidden_states).transpose(1, 2)  # [b, 2 Hk dk + Hv dv, 1]
         mixed_qkv = one_token_convolution(self, mixed_qkv, cache).transpose(1, 2)  # [b, 1, 2 Hk dk + Hv dv]
         query, key, value = torch.split(mixed_qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)

@@ -56,9 +56,10 @@ def built(args: argparse.Namespace, linear_attention: str) -> FishOmniForSpeech:
     torch.manual_seed(0)
     model = FishOmniForSpeech(config).eval()
     apply_cpu_path(model, args.path)
-    for module in model.modules():
-        if type(module) is CpuGatedDeltaNet and linear_attention == "transformers":
-            module.__class__ = Qwen3_5MoeGatedDeltaNet
+    if linear_attention == "transformers":
+        for module in model.modules():
+            if type(module) is CpuGatedDeltaNet:
+                module.__class__ = Qwen3_5MoeGatedDeltaNet
     return model
 
 

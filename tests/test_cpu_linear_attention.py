@@ -26,7 +26,8 @@ from transformers_drama3.cpu_linear_attention import CpuGatedDeltaNet, gated_del
 
 
 def tiny_backbone() -> Qwen3_5MoeTextModel:
-    """Two linear-attention layers (2 key heads, 4 value heads: groups of 2) and one full-attention layer."""
+    """Two linear-attention layers (2 key heads, 4 value heads: groups of 2) and one full-attention layer. Not the
+    golden geometry: its single key head would serve both value heads whichever way heads were grouped."""
     config = Qwen3_5MoeTextConfig(
         vocab_size=64, hidden_size=64, num_hidden_layers=3, layer_types=["linear_attention"] * 2 + ["full_attention"],
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_key_head_dim=16,

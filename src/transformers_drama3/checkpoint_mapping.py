@@ -125,6 +125,19 @@ def checkpoint_shards(directory: str) -> list[str]:
     return shards
 
 
+def dense_dtypes(shards: list[str]) -> set[str]:
+    """The safetensors dtype names (`"BF16"`, `"F32"`, ...) of the tensors in `shards` other than FP8 values and
+    their block scales (`*_scale_inv`). Reads only the headers."""
+    found = set()
+    for path in shards:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                dtype = f.get_slice(key).get_dtype()
+                if not dtype.startswith("F8") and not key.endswith("_scale_inv"):
+                    found.add(dtype)
+    return found
+
+
 def check_checkpoint_tensors(shards: list[str], expected: dict[str, tuple[int, ...]]) -> None:
     """Compare the safetensors headers of `shards` with `expected`; raise on any difference. Reads no weights."""
     found: dict[str, tuple[tuple[int, ...], str]] = {}

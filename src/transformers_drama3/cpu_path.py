@@ -34,12 +34,16 @@ import os
 import torch
 from torch import nn
 
+from .checkpoint_mapping import dense_dtypes
 from .codec_layout import memory_maps
 from .cpu_attention import CPU_ATTENTION
 from .cpu_linear_attention import use_cpu_linear_attention
 from .cpu_weights import WEIGHT_FORMATS, CpuEmbedding, CpuExperts, CpuLinear, can_convert, exact_in_bfloat16
+from .mapped_pages import PageRelease
 
 CPU_PATHS = ("auto", "bfloat16", "float16", "int8", "float32")
+# What the float16 and int8 paths compute in, and hold what they do not convert in (`widen_rest`).
+COMPUTE_DTYPE = torch.float32
 ENVIRONMENT_VARIABLE = "DRAMA3_CPU_PATH"
 
 
@@ -73,9 +77,15 @@ def resolve_cpu_path(value: str | None = None) -> str:
     return "float16" if requested == "auto" else requested
 
 
-def load_dtype(path: str) -> torch.dtype:
-    """The dtype to load a model in for `path` (float16 and int8 weights are made from float32 ones after loading)."""
-    return torch.bfloat16 if path == "bfloat16" else torch.float32
+def load_dtype(path: str, shards: list[str]) -> torch.dtype:
+    """The dtype transformers loads the checkpoint `shards` in for `path`: bfloat16 for the bfloat16 path, and for
+    the float16 and int8 paths when the checkpoint's dense weights are bfloat16 (`dense_dtypes`; FP8 experts keep
+    their own dtype): each weight is then converted straight from the checkpoint's memory map (`apply_cpu_path`),
+    never held whole in float32 (a bfloat16 value is a float32 one, so the weights come out the same). float32
+    otherwise."""
+    if path == "bfloat16" or (path in WEIGHT_FORMATS and dense_dtypes(shards) == {"BF16"}):
+        return torch.bfloat16
+    return torch.float32
 
 
 def embedding_tables(model: nn.Module) -> list[nn.Embedding]:
@@ -83,11 +93,13 @@ def embedding_tables(model: nn.Module) -> list[nn.Embedding]:
     return [m for part in (model.backbone, model.tower) for m in part.modules() if type(m) is nn.Embedding]
 
 
-def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | None = None) -> None:
+def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | None = None,
+                    release: PageRelease | None = None) -> None:
     """Replace, in place, the dense linears of the backbone and the tower by `CpuLinear` and the routed experts by
     `CpuExperts` in `weight_format` (cpu_weights.py), and, when `narrow_tables` (None: when every table is exact in
     bfloat16, read from the values), the embedding tables by `CpuEmbedding`; the router, lm_head, norms and codec
-    stay (the codec's path is `codec_for_path`)."""
+    stay (the codec's path is `codec_for_path`; `widen_rest` brings what stays to float32). `release` is told of
+    each module replaced (mapped_pages.py)."""
     text_config = model.config.text_config
     if narrow_tables is None:
         narrow_tables = all(exact_in_bfloat16(table.weight) for table in embedding_tables(model))
@@ -106,7 +118,31 @@ def convert_weights(model: nn.Module, weight_format: str, narrow_tables: bool | 
                 elif name == "experts" and hasattr(child, "gate_up_proj"):
                     setattr(module, name, CpuExperts.from_experts(child, text_config, weight_format))
                 elif narrow_tables and type(child) is nn.Embedding:
-                    setattr(module, name, CpuEmbedding(child))
+                    setattr(module, name, CpuEmbedding(child, COMPUTE_DTYPE))
+                else:
+                    continue
+                if release is not None:
+                    release.converted(child)
+
+
+def widen_rest(model: nn.Module, release: PageRelease | None = None) -> None:
+    """Bring every floating parameter and buffer of the backbone, lm_head and tower that `convert_weights` kept (the
+    norms, the router, lm_head, the linear attention's convolution and decay) to `COMPUTE_DTYPE`, in place: a no-op
+    after a float32 load, a copy of each after a bfloat16 one (`load_dtype`). The converted modules' own tensors
+    stay. `release` is told of each module widened."""
+    for part in (model.backbone, model.lm_head, model.tower):
+        for module in part.modules():
+            if isinstance(module, (CpuLinear, CpuExperts, CpuEmbedding)):
+                continue
+            narrow = [(name, tensor) for name, tensor in (*module.named_parameters(recurse=False),
+                                                          *module.named_buffers(recurse=False))
+                      if tensor.dtype in (torch.bfloat16, torch.float16)]
+            for name, tensor in narrow:  # setattr keeps a buffer a buffer (and its persistence)
+                wide = tensor.detach().to(COMPUTE_DTYPE)
+                setattr(module, name, nn.Parameter(wide, tensor.requires_grad) if isinstance(tensor, nn.Parameter)
+                        else wide)
+            if narrow and release is not None:
+                release.converted(module)
 
 
 def narrow_codec(codec: nn.Module, source: str | None = None) -> None:
@@ -148,7 +184,8 @@ def on_cpu_only(device_map) -> bool:
 
 
 def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
-    """The CPU path a `from_pretrained` call with `kwargs` takes (setting the dtype it loads in), or None when it
+    """The CPU path a `from_pretrained` call with `kwargs` takes (taking out the dtype asked for: the path's
+    `load_dtype` replaces it), or None when it
     takes none: the load names a dtype (and no `cpu_path`), a GPU is there, or the model is quantised, offloaded,
     placed off the CPU or split over ranks. An explicit `cpu_path` other than float32 that cannot be honoured is a
     `ValueError`."""
@@ -165,24 +202,33 @@ def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
             raise ValueError(f"cpu_path={cpu_path!r} is for a model loaded whole into CPU memory, but the load also "
                              f"asks for {', '.join(elsewhere)}: drop one of them")
         return None
-    path = resolve_cpu_path(cpu_path)
     kwargs.pop("torch_dtype", None)
-    kwargs["dtype"] = load_dtype(path)
-    return path
+    kwargs.pop("dtype", None)  # `load_dtype` sets it once the checkpoint's files are known
+    return resolve_cpu_path(cpu_path)
 
 
-def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = None) -> None:
+def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = None,
+                   checkpoint_files: list[str] | None = None) -> None:
     """Bring a float32 (or bfloat16) model to `path` (`resolve_cpu_path`'s answer), in place, and record it as
     `model.cpu_path`. The codec is brought to the path too (`codec_for_path`), and a model on `sdpa` attention to
     `CPU_ATTENTION` (cpu_attention.py: the same outputs, without copies of the grouped key/value heads); on every path
     but float32 the linear-attention layers take their one-token step by `CpuGatedDeltaNet`
     (cpu_linear_attention.py: the same outputs, up to the order of float32 sums).
-    `narrow_tables`: `convert_weights`'s (None: from the values; a model on the meta device has none to read)."""
+    `narrow_tables`: `convert_weights`'s (None: from the values; a model on the meta device has none to read).
+    `checkpoint_files`: the safetensors the model was just loaded from; the pages the conversion reads through their
+    memory maps are given back as it goes (mapped_pages.py)."""
     if path not in CPU_PATHS[1:]:
         raise ValueError(f"apply_cpu_path takes one of {', '.join(CPU_PATHS[1:])}, got {path!r}")
     codec = model.codec
     if path in WEIGHT_FORMATS:
-        convert_weights(model, path, narrow_tables)
+        release = None if checkpoint_files is None else PageRelease(model, checkpoint_files)
+        if release is not None:
+            release()  # what transformers read and copied while loading (the FP8 experts)
+        convert_weights(model, path, narrow_tables, release)
+        widen_rest(model, release)
+        if release is not None:
+            release()
+        set_config_dtype(model.config, COMPUTE_DTYPE)
     elif path == "bfloat16":
         for part in (model.backbone, model.lm_head, model.tower):
             part.to(torch.bfloat16)
@@ -196,6 +242,15 @@ def apply_cpu_path(model: nn.Module, path: str, narrow_tables: bool | None = Non
         # not among the modules it walks.
         model.config._attn_implementation = CPU_ATTENTION
     model.cpu_path = path
+
+
+def set_config_dtype(config, dtype: torch.dtype) -> None:
+    """Record `dtype` as the dtype of `config` and of its sub-configurations (what a float32 load records)."""
+    config.dtype = dtype
+    for name in config.sub_configs:
+        sub_config = getattr(config, name, None)
+        if sub_config is not None:
+            set_config_dtype(sub_config, dtype)
 
 
 def codec_for_path(codec: nn.Module, path: str, source: str | None = None) -> None:

@@ -99,7 +99,7 @@ class CpuLinear(nn.Module):
         tensors = stored(linear.weight, weight_format)
         self.weight = nn.Parameter(tensors[0], requires_grad=False)
         self.scale = nn.Parameter(tensors[1], requires_grad=False) if len(tensors) > 1 else None
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.widened:
@@ -123,14 +123,15 @@ def exact_in_bfloat16(weight: torch.Tensor) -> bool:
 
 
 class CpuEmbedding(nn.Module):
-    """`nn.Embedding` with its table `weight [num, dim]` kept in bfloat16 (`exact_in_bfloat16` tables only); the rows
-    it looks up come out in the table's former dtype (`output_dtype`). Frozen: the CPU path is for inference."""
+    """`nn.Embedding` with its table `weight [num, dim]` kept in bfloat16 (`exact_in_bfloat16` tables only), a copy of
+    its own (never a view of a checkpoint's memory map); the rows it looks up come out in `output_dtype` (None: the
+    table's former dtype). Frozen: the CPU path is for inference."""
 
-    def __init__(self, embedding: nn.Embedding):
+    def __init__(self, embedding: nn.Embedding, output_dtype: torch.dtype | None = None):
         super().__init__()
         self.num_embeddings, self.embedding_dim = embedding.num_embeddings, embedding.embedding_dim
-        self.padding_idx, self.output_dtype = embedding.padding_idx, embedding.weight.dtype
-        self.weight = nn.Parameter(embedding.weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.padding_idx, self.output_dtype = embedding.padding_idx, output_dtype or embedding.weight.dtype
+        self.weight = nn.Parameter(embedding.weight.detach().to(torch.bfloat16, copy=True), requires_grad=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.weight, self.padding_idx).to(self.output_dtype)  # [..., dim]

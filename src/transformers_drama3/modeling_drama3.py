@@ -28,7 +28,8 @@ from .codec_file import (CodecFileStateDict, attach_codec, read_codec_file, take
 from .codes import is_integer_dtype
 from .configuration_drama3 import FishOmniConfig
 from .generation.continuous_batching import Drama3ContinuousBatchingMixin
-from .cpu_path import apply_cpu_path, codec_for_path, cpu_path_for_load
+from .cpu_path import apply_cpu_path, codec_for_path, cpu_path_for_load, load_dtype
+from .mapped_pages import releasing_merges
 from .device_placement import execution_device
 from .generation.stored_steps import preload_steps
 from .generation_drama3 import Drama3GenerationMixin
@@ -474,6 +475,8 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         shards = checkpoint_shards(directory)
         fp8_experts = checkpoint_quant_method(config) == BSGEMM_MOE
         check_checkpoint_tensors(shards, expected_checkpoint_tensors(skeleton, shards, fp8_experts))
+        if cpu_path is not None:
+            kwargs["dtype"] = load_dtype(cpu_path, shards)
         if kwargs.get("quantization_config") is not None:
             config, kwargs["quantization_config"] = prepare_quantization(
                 config, kwargs["quantization_config"], skeleton
@@ -482,7 +485,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
         if cpu_path is not None:  # before the codec joins: the float32 weights replaced go first (peak memory)
-            apply_cpu_path(model, cpu_path)
+            apply_cpu_path(model, cpu_path, checkpoint_files=shards)
         attach_codec(model, codec_state, codec_device)
         if cpu_path is not None:
             source = codec_state.path if isinstance(codec_state, CodecFileStateDict) else None
@@ -495,20 +498,22 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
             preload_steps(model)  # its compiled frame step, if stored (generation/stored_steps.py)
         return loaded
 
-    if compat.dequantised_weights_keep_checkpoint_dtype():
+    @staticmethod
+    def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+        """transformers' weight loading, with the loader's stacking of each layer's experts giving back the pages it
+        read (`mapped_pages.releasing_merges`), then, on transformers versions that need it, the dequantised weights
+        brought to the requested dtype (`compat.cast_dequantised_weights`).
 
-        @staticmethod
-        def _load_pretrained_model(model, state_dict, checkpoint_files, load_config, *args, **kwargs):
-            """transformers' weight loading, then the dequantised weights brought to the requested dtype
-            (`compat.cast_dequantised_weights`; only on transformers versions that need it).
-
-            This is the one step between loading and accelerate's dispatch, so the fix also reaches weights that
-            accelerate then keeps in RAM."""
-            loaded = PreTrainedModel._load_pretrained_model(
-                model, state_dict, checkpoint_files, load_config, *args, **kwargs
-            )
+        This is the one step between loading and accelerate's dispatch, so the fix also reaches weights that
+        accelerate then keeps in RAM."""
+        if checkpoint_files:
+            releasing_merges(load_config.weight_mapping, checkpoint_files)
+        loaded = PreTrainedModel._load_pretrained_model(
+            model, state_dict, checkpoint_files, load_config, *args, **kwargs
+        )
+        if compat.dequantised_weights_keep_checkpoint_dtype():
             compat.cast_dequantised_weights(model, load_config)
-            return loaded
+        return loaded
 
     def save_pretrained(self, save_directory, *args, state_dict=None, is_main_process: bool = True, **kwargs):
         """Save a checkpoint that `from_pretrained` loads without any flag.

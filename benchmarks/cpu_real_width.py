@@ -26,10 +26,10 @@ layers: that line's value at 40, an extrapolation. Before the rounds the step st
 package's) is filled as benchmarks/cpu_path.py fills it, once per checkpoint and thread count (`--no-fill` measures
 what it holds).
 
-Memory: the 4-layer checkpoint is 9.6 GB on disk; its load holds about 15 GB of anonymous memory at its peak (the
-dense weights in float32 while loading, then float16) and 12 GB once loaded, and `ru_maxrss` reads about 21 GB (the
-checkpoint's pages read through its memory map count too); the writer holds one shard (1 GB) and the codec's state at
-a time. Disk: `--keep` keeps the checkpoints,
+Memory: the 4-layer checkpoint is 9.6 GB on disk; its load (converted from the checkpoint's memory map, the pages read
+given back as it goes: docs/usage.md, "Loading on the CPU path") peaks at about the loaded model, 12 GiB on the float16
+path and 8 GiB on the int8 one (`ru_maxrss`: 12.7 and 8.6 GiB); the writer holds one shard (1 GB) and the codec's state
+at a time. Disk: `--keep` keeps the checkpoints,
 otherwise they are deleted at the end.
 
     python benchmarks/cpu_real_width.py --layers 4,8 --threads 1 --rounds 2 --directory /path/to/scratch \

@@ -25,6 +25,10 @@ bfloat16 and 141-148 in float32; on an AVX2 CPU float16 was as fast as int8 and 
 chooses another; an explicit `dtype` keeps the plain load in that dtype (`--dtype float32` for the commands). The
 codec computes in float32 on every path. The path a model took is `model.cpu_path` (None when the model was not loaded for a CPU):
 tests and benchmarks read it, never a CPU flag. docs/usage.md#the-cpu-path.
+
+A load for the float16 or int8 path reads a bfloat16 checkpoint in bfloat16 (`load_dtype`): every weight stays a view
+of the checkpoint's memory map until `apply_cpu_path` converts it, and the pages read are given back as the conversion
+goes (mapped_pages.py), so the load's peak is about the converted model, not a float32 one plus the file's pages.
 """
 
 from __future__ import annotations

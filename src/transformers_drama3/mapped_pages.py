@@ -24,7 +24,7 @@ the same, with a higher peak.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import mmap
 import os
 
@@ -57,14 +57,12 @@ def file_maps(paths: list[str]) -> list[tuple[int, int]]:
     return ranges
 
 
+@functools.cache
 def _madvise():
-    """libc's `madvise`, or None where it cannot be called (no C library found, or not Linux)."""
+    """libc's `madvise` (looked up once), or None where it cannot be called (not Linux)."""
     if not hasattr(mmap, "MADV_DONTNEED") or not os.path.exists("/proc/self/maps"):
         return None
-    library = ctypes.util.find_library("c")
-    if library is None:
-        return None
-    function = ctypes.CDLL(library, use_errno=True).madvise
+    function = ctypes.CDLL(None, use_errno=True).madvise  # the process's own symbols, libc's among them
     function.argtypes, function.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     return function
 

@@ -484,7 +484,7 @@ class FishOmniForSpeech(FishOmniPreTrainedModel, Drama3ContinuousBatchingMixin, 
 
         loaded = super().from_pretrained(directory, *model_args, config=config, with_codec=False, **kwargs)
         model = loaded[0] if isinstance(loaded, tuple) else loaded
-        if cpu_path is not None:  # before the codec joins: the float32 weights replaced go first (peak memory)
+        if cpu_path is not None:  # before the codec joins: the weights replaced go first (peak memory)
             apply_cpu_path(model, cpu_path, checkpoint_files=shards)
         attach_codec(model, codec_state, codec_device)
         if cpu_path is not None:

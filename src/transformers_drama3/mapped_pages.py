@@ -15,8 +15,9 @@ Two kinds of pages are given back, with `madvise(MADV_DONTNEED)`:
 - during the CPU path's conversion, the pages of the checkpoint's maps that no tensor of the model views any more
   (`PageRelease`): the weights converted already.
 A page some tensor still views is never released (a page is released only when every byte of it belongs to tensors
-that were copied and are dropped), so a weight is never read back from the file behind a change made to it in memory. What is released stays in the kernel's page cache (a second load reads it from memory); only
-this process's hold on it goes. Neither safetensors nor transformers has a call for this (their maps are internal),
+that were copied and are dropped), so a weight is never read back from the file behind a change made to it in
+memory. What is released stays in the kernel's page cache (a second load reads it from memory); only this process's
+hold on it goes. Neither safetensors nor transformers has a call for this (their maps are internal),
 hence `madvise` through ctypes. Linux only: elsewhere, or where the call fails, nothing is released and the load is
 the same, with a higher peak.
 """
@@ -67,28 +68,42 @@ def _madvise():
     return function
 
 
+def storage_range(tensor: torch.Tensor) -> tuple[int, int]:
+    """The byte range `[start, end)` of `tensor`'s whole storage."""
+    storage = tensor.untyped_storage()
+    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+
+
+def in_maps(address: int, maps: list[tuple[int, int]]) -> bool:
+    """Whether `address` lies in one of the ranges `maps`."""
+    return any(low <= address < high for low, high in maps)
+
+
+def whole_pages(start: int, end: int) -> tuple[int, int] | None:
+    """The run of whole pages `[first, last)` inside the bytes `[start, end)`, or None when no page fits."""
+    first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
+    return (first, last) if last > first else None
+
+
+def give_back(runs) -> None:
+    """`madvise(MADV_DONTNEED)` over each page run `(first, last)` (nothing where `_madvise` is None)."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    for first, last in runs:
+        madvise(first, last - first, mmap.MADV_DONTNEED)  # a failure only leaves the pages resident
+
+
 def viewed_ranges(model: nn.Module, maps: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The byte ranges `[start, end)` of the storages of `model`'s parameters and buffers that lie in `maps`, sorted."""
-    ranges = []
-    for tensor in (*model.parameters(), *model.buffers()):
-        if tensor.device.type != "cpu":
-            continue
-        storage = tensor.untyped_storage()
-        start = storage.data_ptr()
-        if any(low <= start < high for low, high in maps):
-            ranges.append((start, start + storage.nbytes()))
-    return sorted(ranges)
+    tensors = (*model.parameters(), *model.buffers())
+    ranges = [storage_range(tensor) for tensor in tensors if tensor.device.type == "cpu"]
+    return sorted((start, end) for start, end in ranges if in_maps(start, maps))
 
 
 def unviewed_pages(maps: list[tuple[int, int]], viewed: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The runs of whole pages `[start, end)` of `maps` that hold no byte of a `viewed` range (sorted by start)."""
-    runs = []
-
-    def gap(start: int, end: int) -> None:  # the whole pages inside [start, end)
-        first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-        if last > first:
-            runs.append((first, last))
-
+    gaps = []
     for low, high in maps:
         cursor = low
         for start, end in viewed:
@@ -97,31 +112,22 @@ def unviewed_pages(maps: list[tuple[int, int]], viewed: list[tuple[int, int]]) -
             if start >= high:
                 break
             if start > cursor:
-                gap(cursor, start)
+                gaps.append((cursor, start))
             cursor = max(cursor, end)
         if cursor < high:
-            gap(cursor, high)
-    return runs
-
-
-def storage_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """The byte range `[start, end)` of `tensor`'s whole storage."""
-    storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+            gaps.append((cursor, high))
+    return [run for run in (whole_pages(*gap) for gap in gaps) if run is not None]
 
 
 def release_tensor_pages(tensors: list[torch.Tensor], checkpoint_files: list[str]) -> None:
     """Give back the whole pages inside the storages of `tensors` that lie in `checkpoint_files`' maps. The caller
     holds `tensors` (so their maps stay open) and vouches that no other tensor views those storages."""
-    madvise = _madvise()
-    if madvise is None or not tensors:
+    if _madvise() is None or not tensors:
         return
     maps = file_maps(checkpoint_files)
-    for start, end in (storage_range(tensor) for tensor in tensors if tensor.device.type == "cpu"):
-        if any(low <= start < high for low, high in maps):
-            first, last = -(-start // PAGE) * PAGE, end // PAGE * PAGE
-            if last > first:
-                madvise(first, last - first, mmap.MADV_DONTNEED)  # a failure only leaves the pages resident
+    ranges = [storage_range(tensor) for tensor in tensors if tensor.device.type == "cpu"]
+    runs = [whole_pages(start, end) for start, end in ranges if in_maps(start, maps)]
+    give_back([run for run in runs if run is not None])
 
 
 class MergeReleasingSources(MergeModulelist):
@@ -157,17 +163,15 @@ class PageRelease:
     called, and through `converted(module)` every `RELEASE_EVERY` bytes of modules converted."""
 
     def __init__(self, model: nn.Module, checkpoint_files: list[str]):
-        self.model, self.files, self.madvise = model, list(checkpoint_files), _madvise()
-        self.pending = 0
+        self.model, self.files, self.pending = model, list(checkpoint_files), 0
 
     def __call__(self) -> None:
         self.pending = 0
-        if self.madvise is None:
+        if _madvise() is None:
             return
         # Read afresh each time: a map whose last view went is closed, and its addresses may then hold new memory.
         maps = file_maps(self.files)
-        for start, end in unviewed_pages(maps, viewed_ranges(self.model, maps)):
-            self.madvise(start, end - start, mmap.MADV_DONTNEED)  # a failure only leaves the pages resident
+        give_back(unviewed_pages(maps, viewed_ranges(self.model, maps)))
 
     def converted(self, module: nn.Module) -> None:
         """Count the bytes of a module just replaced; release once `RELEASE_EVERY` have been counted."""
@@ -176,5 +180,6 @@ class PageRelease:
             self()
 
 
-__all__ = ["MergeReleasingSources", "PageRelease", "RELEASE_EVERY", "file_maps", "release_tensor_pages",
-           "releasing_merges", "storage_range", "unviewed_pages", "viewed_ranges"]
+__all__ = ["MergeReleasingSources", "PageRelease", "RELEASE_EVERY", "file_maps", "give_back", "in_maps",
+           "release_tensor_pages", "releasing_merges", "storage_range", "unviewed_pages", "viewed_ranges",
+           "whole_pages"]

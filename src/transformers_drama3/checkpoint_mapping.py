@@ -125,27 +125,27 @@ def checkpoint_shards(directory: str) -> list[str]:
     return shards
 
 
-def dense_dtypes(shards: list[str]) -> set[str]:
-    """The safetensors dtype names (`"BF16"`, `"F32"`, ...) of the tensors in `shards` other than FP8 values and
-    their block scales (`*_scale_inv`). Reads only the headers."""
-    found = set()
-    for path in shards:
-        with safe_open(path, framework="pt") as f:
-            for key in f.keys():
-                dtype = f.get_slice(key).get_dtype()
-                if not dtype.startswith("F8") and not key.endswith("_scale_inv"):
-                    found.add(dtype)
-    return found
-
-
-def check_checkpoint_tensors(shards: list[str], expected: dict[str, tuple[int, ...]]) -> None:
-    """Compare the safetensors headers of `shards` with `expected`; raise on any difference. Reads no weights."""
-    found: dict[str, tuple[tuple[int, ...], str]] = {}
+def tensor_headers(shards: list[str]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Name -> (shape, safetensors dtype name) of every tensor in `shards`, from their headers (no weight is read)."""
+    found = {}
     for path in shards:
         with safe_open(path, framework="pt") as f:
             for key in f.keys():
                 tensor = f.get_slice(key)
                 found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    return found
+
+
+def dense_dtypes(shards: list[str]) -> set[str]:
+    """The safetensors dtype names (`"BF16"`, `"F32"`, ...) of the tensors in `shards` other than FP8 values and
+    their block scales (`*_scale_inv`). Reads only the headers."""
+    return {dtype for key, (_, dtype) in tensor_headers(shards).items()
+            if dtype not in _SAFETENSORS_FP8 and not key.endswith("_scale_inv")}
+
+
+def check_checkpoint_tensors(shards: list[str], expected: dict[str, tuple[int, ...]]) -> None:
+    """Compare the safetensors headers of `shards` with `expected`; raise on any difference. Reads no weights."""
+    found = tensor_headers(shards)
     problems = []
     missing = sorted(set(expected) - set(found))
     if missing:

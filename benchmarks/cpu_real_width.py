@@ -63,7 +63,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", default="4,8", help="backbone layer counts, multiples of 4 (default 4,8)")
     parser.add_argument("--directory", default=None, help="where the checkpoints are written (layers-N folders)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per layer count, interleaved (default 3)")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per layer count, interleaved (default 3; 0: only fill the step store)")
     parser.add_argument("--frames", type=int, default=24, help="timed frame steps per process (default 24)")
     parser.add_argument("--store", default=None, help="the step store's folder (default: the package's)")
     parser.add_argument("--no-fill", action="store_true", help="do not fill the step store first")
@@ -270,7 +270,7 @@ def main() -> None:
                       f"{run['stored_frames']} of {run['timed_frames']} stored), generate 32 {run['generate_32_s']:.2f}"
                       f" s, peak RSS {run['peak_rss_gib']:.2f} GiB, model {run['model_gb']['total']:.2f} GB, load "
                       f"average {run['load_average']:.2f}", flush=True)
-        if len(counts) > 1:
+        if len(counts) > 1 and args.rounds:  # `--rounds 0` only fills the store
             for figure in ("step_ms", "step_cpu_ms"):
                 medians = {n: statistics.median(r[figure] for r in results["runs"][n]) for n in counts}
                 slope, fixed = per_layer_fit(medians)

@@ -21,6 +21,8 @@ Formats (each with torch's own kernels; the ones `cpu_weights.py` / `cpu_path.py
 - `int8 weight-only`: `_weight_int8pack_mm`, per-row int8 and bfloat16 activations (`cpu_weights`' int8 format,
   torchao's CPU int8 weight-only layout);
 - `int4 (group G)`: `_weight_int4pack_mm_for_cpu` after `_convert_weight_to_int4pack_for_cpu`, bfloat16 in/out;
+- `int8 dynamic (_int_mm)`: the int8 weight-only format's codes and scales with the activations rounded to int8 per
+  row, `torch._int_mm` (oneDNN; AVX512-VNNI or AMX where the CPU has them);
 - `fbgemm dynamic int8`: `quantized.linear_dynamic` (int8 activations too, torch's quantised-tensor stack).
 
     python benchmarks/cpu_weight_formats.py --threads 1
@@ -81,12 +83,21 @@ def formats(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Product]:
         products["fbgemm dynamic int8"] = lambda i: torch.ops.quantized.linear_dynamic(x, dynamic[i])
     int8 = [quantize_rows(w) for w in weights]
     products["int8 weight-only"] = lambda i: torch.ops.aten._weight_int8pack_mm(x_bf16, *int8[i]).float()
+    products["int8 dynamic (_int_mm)"] = lambda i: _dynamic_int8(x, *int8[i])
     for group in (32, 128):
         packed4 = [_int4(w, group) for w in weights]
         products[f"int4 (group {group})"] = (
             lambda i, packed4=packed4, group=group: torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x_bf16, packed4[i][0], group, packed4[i][1]).float())
     return products
+
+
+def _dynamic_int8(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [M, K]` rounded to int8 with a scale per row, times the per-row int8 weight `codes [N, K]` (`scale [N]`)
+    by `torch._int_mm` (oneDNN's int8 product, int32 sums) -> `[M, N]` float32."""
+    row_scale = x.abs().amax(-1, keepdim=True).clamp_min(1e-12) / 127  # [M, 1]
+    rounded = torch.round(x / row_scale).to(torch.int8)
+    return torch._int_mm(rounded, codes.t()).float() * row_scale * scale.float()
 
 
 def _int4(weight: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

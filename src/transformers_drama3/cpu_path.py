@@ -17,8 +17,9 @@ Why float16 on every CPU, those with native bfloat16 (AVX512-BF16, AMX) included
 by each weight, and torch runs a one-row float16 product with its own matrix-vector kernel, but a bfloat16 one, on
 CPUs with native bfloat16, through oneDNN, which was twice as slow for one row. On an AMD EPYC with AVX512-BF16
 (Zen 4, torch 2.13, 1 thread) a frame of the `small` checkpoint took 50-59 ms of CPU in float16 against 107-108 in
-bfloat16 and 141-148 in float32; on an AVX2 CPU float16 was as fast as int8 and 2.1x float32 (docs/performance.md,
-"The CPU path"; benchmarks/cpu_path.py, benchmarks/cpu_weight_formats.py).
+bfloat16 and 141-148 in float32; on an AVX2 CPU float16 was as fast as int8 and 2.1x float32; on an Intel Xeon with
+AMX and AVX512-FP16, 44-45 ms in float16 against 96-97 in bfloat16 and 132-135 in float32 (docs/performance.md, "The
+CPU path" and "A second CPU"; benchmarks/cpu_path.py, benchmarks/cpu_weight_formats.py).
 
 `"auto"` is the default of `FishOmniForSpeech.from_pretrained` on a machine with no accelerator, and so of
 `pipeline`, the commands, the server and jobs on a CPU. The `DRAMA3_CPU_PATH` environment variable or `cpu_path=`

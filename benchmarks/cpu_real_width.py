@@ -63,7 +63,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", default="4,8", help="backbone layer counts, multiples of 4 (default 4,8)")
     parser.add_argument("--directory", default=None, help="where the checkpoints are written (layers-N folders)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
-    parser.add_argument("--rounds", type=int, default=3, help="processes per layer count, interleaved (default 3; 0: only fill the step store)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="processes per layer count, interleaved (default 3; 0: only fill the step store)")
     parser.add_argument("--frames", type=int, default=24, help="timed frame steps per process (default 24)")
     parser.add_argument("--store", default=None, help="the step store's folder (default: the package's)")
     parser.add_argument("--no-fill", action="store_true", help="do not fill the step store first")

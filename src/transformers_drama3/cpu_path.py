@@ -191,8 +191,8 @@ def on_cpu_only(device_map) -> bool:
 def cpu_path_for_load(kwargs: dict, cpu_path: str | None) -> str | None:
     """The CPU path a `from_pretrained` call with `kwargs` takes (taking out the dtype asked for: the path's
     `load_dtype` replaces it), or None when it takes none: the load names a dtype (and no `cpu_path`), a GPU is
-    there, or the model is quantised, offloaded, placed off the CPU or split over ranks. An explicit `cpu_path` other than float32 that cannot be honoured is a
-    `ValueError`."""
+    there, or the model is quantised, offloaded, placed off the CPU or split over ranks. An explicit `cpu_path` other
+    than float32 that cannot be honoured is a `ValueError`."""
     explicit = cpu_path is not None
     requested = requested_cpu_path(cpu_path)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))

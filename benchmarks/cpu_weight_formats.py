@@ -23,7 +23,10 @@ Formats (each with torch's own kernels; the ones `cpu_weights.py` / `cpu_path.py
 - `int4 (group G)`: `_weight_int4pack_mm_for_cpu` after `_convert_weight_to_int4pack_for_cpu`, bfloat16 in/out;
 - `int8 dynamic (_int_mm)`: the int8 weight-only format's codes and scales with the activations rounded to int8 per
   row, `torch._int_mm` (oneDNN; AVX512-VNNI or AMX where the CPU has them);
-- `fbgemm dynamic int8`: `quantized.linear_dynamic` (int8 activations too, torch's quantised-tensor stack).
+- `fbgemm dynamic int8`: `quantized.linear_dynamic` (int8 activations too, torch's quantised-tensor stack);
+- `int8, fbgemm (three 7-bit input parts)`: the int8 weight-only format's codes with float32 scales, multiplied by
+  fbgemm with each input row split in three 7-bit parts (`cpu_weights.int8_linear`, `CpuLinear`'s int8 products on
+  x86 builds of torch).
 
     python benchmarks/cpu_weight_formats.py --threads 1
     python benchmarks/cpu_weight_formats.py --threads 2 --rows 1,4,61 --shapes 1536x512,4096x512 --output formats.json
@@ -42,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from transformers_drama3.cpu_path import native_bfloat16
-from transformers_drama3.cpu_weights import quantize_rows
+from transformers_drama3.cpu_weights import PACKED_INT8, int8_linear, packed_weight, quantize_rows
 
 
 def parse_args() -> argparse.Namespace:
@@ -84,6 +87,11 @@ def formats(weights: list[torch.Tensor], x: torch.Tensor) -> dict[str, Product]:
     int8 = [quantize_rows(w) for w in weights]
     products["int8 weight-only"] = lambda i: torch.ops.aten._weight_int8pack_mm(x_bf16, *int8[i]).float()
     products["int8 dynamic (_int_mm)"] = lambda i: _dynamic_int8(x, *int8[i])
+    if PACKED_INT8:
+        split = [quantize_rows(w, torch.float32) for w in weights]
+        for codes, scale in split:
+            packed_weight(codes, scale)  # packed once, as a CpuLinear is at the load
+        products["int8, fbgemm (three 7-bit input parts)"] = lambda i: int8_linear(x, *split[i])
     for group in (32, 128):
         packed4 = [_int4(w, group) for w in weights]
         products[f"int4 (group {group})"] = (

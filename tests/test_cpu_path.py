@@ -8,8 +8,13 @@ Tolerances are first-order rounding bounds of the formats (unit roundoff u: floa
   accumulates in float32 and rounds its output by u: `|y' - y| <= 2u * sum_i |x_i w_i| + u |y|`; one of more rows
   rounds only the weights: `|y' - y| <= u * sum_i |x_i w_i|`; float32's own rounding, at most `K * 2^-24 *
   sum_i |x_i w_i|` for K inputs, is added to both;
-- an int8 product rounds each weight of row r by at most `s_r / 2` (s_r its row's scale), its bfloat16 input by u and
-  its bfloat16 output by u: `|y' - y| <= s_r / 2 * sum_i |x_i| + u * sum_i |x_i w_i| + u |y|`.
+- an int8 product rounds each weight of row r by at most `s_r / 2` (s_r its row's scale). Through
+  `_weight_int8pack_mm` it also rounds its bfloat16 input by u and its bfloat16 output by u:
+  `|y' - y| <= s_r / 2 * sum_i |x_i| + u * sum_i |x_i w_i| + u |y|`. Through fbgemm (`int8_linear`) it rounds each
+  input of a row by at most `m / STEPS` (m the row's largest |x_i|, STEPS = 2 * 63 * 126^2 for its three 7-bit parts,
+  cpu_weights.py) against the rounded weights w'; its float32 work (the parts' scaling, one rounding of each part's
+  product and scale, the parts' sum, the final scale) is about 10 roundings of at most `sum_i |x_i w'_i|`, bounded
+  here by 16: `|y' - y| <= s_r / 2 * sum_i |x_i| + m / STEPS * sum_i |w'_i| + 16 * 2^-24 * sum_i |x_i w'_i|`.
 Greedy frames: the fast path's frames equal the reference's up to the first frame where the reference's top-2 margin
 is within twice the largest logit difference measured between the two paths on the reference's own frames (a flip
 needs the two logits to move by half the margin each), plus `MARGIN` for the step's float32 reordering.
@@ -22,14 +27,18 @@ from transformers.integrations.moe import grouped_mm_experts_forward
 
 from tests.conftest import GOLDEN_TINY
 from tests.tolerances import codec_decode_reductions, reordering_tolerance
-from transformers_drama3 import Drama3Processor, FishOmniForSpeech
+from transformers_drama3 import FishOmniForSpeech
 from transformers_drama3.cpu_path import ENVIRONMENT_VARIABLE, apply_cpu_path, resolve_cpu_path
 from transformers_drama3 import cpu_weights
-from transformers_drama3.cpu_weights import FLOAT16_ROWS, CpuEmbedding, CpuExperts, CpuLinear, stored
+from transformers_drama3.cpu_weights import (FLOAT16_ROWS, LEVELS, PACKED_INT8, PARTS, CpuEmbedding, CpuExperts,
+                                             CpuLinear, int8_linear, packed_weight, quantize_rows, stored)
 
 FLOAT16_U = 2.0**-11
 BFLOAT16_U = 2.0**-8
 MARGIN = 1e-3  # float32 reordering between a step and the teacher-forced pass (tests/test_sampling_law.py)
+STEPS = 2 * LEVELS * (2 * LEVELS) ** (PARTS - 1)  # fbgemm's int8 products: an input's rounding is at most m / STEPS
+# The int8 products' kernels this torch has: fbgemm's (`packed`) where it is built in, torch's weight-only one always.
+INT8_KERNELS = [True, False] if PACKED_INT8 else [False]
 
 
 @pytest.fixture
@@ -38,16 +47,27 @@ def default_path(monkeypatch):
     monkeypatch.delenv(ENVIRONMENT_VARIABLE, raising=False)
 
 
-def product_bound(x: torch.Tensor, weight: torch.Tensor, weight_format: str, scale=None) -> torch.Tensor:
-    """The first-order rounding bound of the module docstring for `x [n, in] @ weight.T`, per output `[n, out]`."""
+def product_bound(x: torch.Tensor, weight: torch.Tensor, fast: CpuLinear) -> torch.Tensor:
+    """The first-order rounding bound of the module docstring for `x [n, in] @ weight.T` computed by `fast`, per
+    output `[n, out]`."""
     magnitude = x.abs() @ weight.abs().T  # [n, out] sum_i |x_i w_i|
     exact = (x @ weight.T).abs()
-    if weight_format == "float16":
+    if fast.weight_format == "float16":
         float32_rounding = x.shape[-1] * 2.0**-24 * magnitude
         if x.shape[0] <= FLOAT16_ROWS:
             return 2 * FLOAT16_U * magnitude + FLOAT16_U * exact + float32_rounding
         return FLOAT16_U * magnitude + float32_rounding
-    return x.abs().sum(-1, keepdim=True) * scale.float()[None] / 2 + BFLOAT16_U * (magnitude + exact)
+    weights_rounding = x.abs().sum(-1, keepdim=True) * fast.scale.float()[None] / 2
+    if not fast.packed:
+        return weights_rounding + BFLOAT16_U * (magnitude + exact)
+    return weights_rounding + fbgemm_bound(x, fast.weight.float() * fast.scale.float()[:, None])
+
+
+def fbgemm_bound(x: torch.Tensor, rounded: torch.Tensor) -> torch.Tensor:
+    """The module docstring's bound `[n, out]` of `int8_linear(x [n, in])` against `x @ rounded.T`, `rounded [out, in]`
+    its weights w' as stored (int8 codes times their row's scale)."""
+    inputs_rounding = x.abs().amax(-1, keepdim=True) / STEPS * rounded.abs().sum(-1)[None]
+    return inputs_rounding + 16 * 2.0**-24 * (x.abs() @ rounded.abs().T)
 
 
 def test_a_plain_load_on_a_cpu_takes_the_float16_path(default_path):
@@ -120,19 +140,60 @@ def test_bad_paths_are_refused_before_loading(default_path, monkeypatch, tmp_pat
 
 
 @pytest.mark.parametrize("rows", [1, FLOAT16_ROWS, FLOAT16_ROWS + 1, 10])
-@pytest.mark.parametrize("weight_format", ["float16", "int8"])
-def test_a_cpu_linear_is_within_its_rounding_bound(weight_format, rows):
+@pytest.mark.parametrize("weight_format,packed", [("float16", False)] + [("int8", kernel) for kernel in INT8_KERNELS])
+@pytest.mark.parametrize("outlier", [False, True])
+def test_a_cpu_linear_is_within_its_rounding_bound(weight_format, packed, rows, outlier, monkeypatch):
+    """Also with one input of a row 300 times the others (a real model's activations have such outliers): the int8
+    products' input rounding is relative to a row's largest value."""
+    monkeypatch.setattr(cpu_weights, "PACKED_INT8", packed)
     generator = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
     torch.nn.init.normal_(linear.weight, std=0.3, generator=generator)
     x = torch.randn(1, rows, 64, generator=generator)
+    if outlier:
+        x[0, :, 5] = 300.0
     fast = CpuLinear(linear, weight_format)
+    assert fast.packed == packed
     with torch.no_grad():
         expected, actual = linear(x), fast(x)
-        bound = product_bound(x.view(-1, 64), linear.weight, weight_format, fast.scale).view(1, rows, 48)
+        bound = product_bound(x.view(-1, 64), linear.weight, fast).view(1, rows, 48)
     assert actual.dtype == torch.float32
     assert ((actual - expected).abs() <= bound).all()
     assert (actual - expected).abs().max() > 0  # the weights really are rounded
+
+
+@pytest.mark.skipif(not PACKED_INT8, reason="this torch has no fbgemm: the int8 products are torch's weight-only ones")
+def test_fbgemm_int8_products_round_their_inputs_far_less_than_bfloat16():
+    """Against the rounded weights themselves, where only the inputs' rounding is left: `int8_linear` within
+    `m / STEPS` per input (module docstring), and at least 50x closer than the bfloat16 inputs of
+    `_weight_int8pack_mm` on the same weights (measured 300x-8000x: `m / STEPS` against 2^-9 |x_i|)."""
+    generator = torch.Generator().manual_seed(2)
+    codes, scale = quantize_rows(torch.randn(256, 512, generator=generator), torch.float32)
+    rounded = codes.double() * scale.double()[:, None]  # [out, in]
+    x = torch.randn(4, 512, generator=generator)
+    x[1, 3] = -300.0  # an outlier in one row
+    x[2] = 0.0  # a row of zeros
+    expected = x.double() @ rounded.T
+    fbgemm = int8_linear(x, codes, scale).double()
+    bfloat16 = torch.ops.aten._weight_int8pack_mm(x.bfloat16(), codes, scale.bfloat16()).double()
+    assert ((fbgemm - expected).abs() <= fbgemm_bound(x.double(), rounded)).all()
+    assert torch.equal(fbgemm[2], torch.zeros(256, dtype=torch.float64))
+    assert (fbgemm - expected).abs().max() * 50 < (bfloat16 - expected).abs().max()
+
+
+@pytest.mark.skipif(not PACKED_INT8, reason="this torch has no fbgemm: the int8 products are torch's weight-only ones")
+def test_a_packed_weight_is_made_once_and_never_taken_for_a_later_weight_at_its_address():
+    """`packed_weight` keeps one packed copy per weight; once a weight is freed, a new one (here often at the same
+    address: torch's allocator reuses it) gets its own, so its products are its own."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, generator=generator)
+    for _ in range(3):
+        codes, scale = quantize_rows(torch.randn(32, 64, generator=generator), torch.float32)
+        assert packed_weight(codes, scale) is packed_weight(codes, scale)
+        rounded = codes.double() * scale.double()[:, None]
+        error = (int8_linear(x, codes, scale).double() - x.double() @ rounded.T).abs()
+        assert (error <= fbgemm_bound(x.double(), rounded)).all()
+        del codes, scale
 
 
 @pytest.mark.parametrize("tokens", [1, 3])
@@ -264,3 +325,4 @@ def test_apply_cpu_path_on_a_built_model_converts_in_place(golden_model):
     with pytest.raises(ValueError, match="apply_cpu_path takes one of"):
         apply_cpu_path(model, "auto")
     assert stored(torch.ones(2, 8), "int8")[0].dtype == torch.int8
+    assert stored(torch.ones(2, 8), "int8", torch.float32)[1].dtype == torch.float32

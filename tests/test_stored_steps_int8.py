@@ -2,10 +2,12 @@
 later call, and equal to the eager int8 step up to its reordering.
 
 A file of its own so that its compile (a minute) runs beside tests/test_stored_steps.py's under `-n 2`, not after it.
-Exactness: the int8 products take their inputs rounded to bfloat16, so besides reordering float32 work (about 1e-5 of
-the logit scale, tests/test_stored_steps.py) the compiled step can move one input of a product across a bfloat16
-rounding step: 2^-8 of that input, which moves the product's outputs by 2^-8 |x_i| |W[:, i]|, about 1e-4 of the logit
-scale on this model's unit-scale weights and activations; the rule's 2 * `MARGIN` (2e-3) covers both.
+Exactness: the routed experts' int8 products take their inputs rounded to bfloat16, so besides reordering float32
+work (about 1e-5 of the logit scale, tests/test_stored_steps.py) the compiled step can move one input of a product
+across a bfloat16 rounding step: 2^-8 of that input, which moves the product's outputs by 2^-8 |x_i| |W[:, i]|, about
+1e-4 of the logit scale on this model's unit-scale weights and activations (the linears' fbgemm products, where torch
+has them, round an input by at most 1 / 2,000,376 of its row's largest, far less); the rule's 2 * `MARGIN` (2e-3)
+covers both.
 """
 
 from tests.conftest import GOLDEN_TINY

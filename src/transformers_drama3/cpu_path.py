@@ -9,8 +9,10 @@
 - `"bfloat16"` (only when asked for): the backbone, lm_head and tower in bfloat16, activations too (half the bytes
   of float32; the checkpoint's own bfloat16 weights, kept in its memory map). FP8 experts as shipped stay in their
   module, their values and scales in bfloat16, dequantised at each call.
-- `"int8"` (only when asked for): the same parts as float16 in weight-only int8, a quarter of the float32 bytes but
-  ~30x the rounding error of float16 (docs/performance.md, "The CPU path"); its step is stored compiled too.
+- `"int8"` (only when asked for): the same parts as float16 in int8 with a scale per row, a quarter of the float32
+  bytes but ~30x the weights' rounding error of float16 (docs/performance.md, "The CPU path"); on x86 builds of torch
+  its linears multiply through fbgemm on packed copies of their weights, their inputs split in three 7-bit parts
+  (cpu_weights.py), the routed experts through torch's weight-only int8 kernel; its step is stored compiled too.
 - `"float32"`: everything in float32, the exact reference (what the CPU path is compared with).
 
 Why float16 on every CPU, those with native bfloat16 (AVX512-BF16, AMX) included: a decode step multiplies one row

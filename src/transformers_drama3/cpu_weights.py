@@ -9,21 +9,33 @@ every candidate, `benchmarks/cpu_weight_formats.py`):
   product per row, accumulating in float32; a product of more rows (a prefill) casts the weight to float32 instead,
   since torch's float16 matrix product is row by row on CPUs without float16 arithmetic. Half the bytes of float32.
 - `"int8"`: symmetric per-row int8, `W ~ q * s` with `s[r] = max|W[r, :]| / 127` (error at most `s[r] / 2` per
-  weight); the product is torch's weight-only int8 kernel `torch.ops.aten._weight_int8pack_mm` (the one torchao's
-  int8 weight-only layout calls on a CPU), bfloat16 in and out, float32 accumulation. A quarter of the bytes.
+  weight), a quarter of the bytes. A `CpuLinear`'s product runs through fbgemm, torch's x86 int8 kernels
+  (`int8_linear`, where this torch build has them: `PACKED_INT8`), on a packed copy of its weight and its input split
+  in three 7-bit parts (below); elsewhere, and in the routed experts, it is torch's weight-only int8 kernel
+  `torch.ops.aten._weight_int8pack_mm` (the one torchao's int8 weight-only layout calls on a CPU), bfloat16 in and
+  out, float32 accumulation.
 
-`CpuLinear` replaces an `nn.Linear`; `CpuExperts` replaces the backbone's routed experts (fused `[E, out, in]`
-tensors, or the FP8 experts kept as shipped, dequantised once here) and runs through transformers' experts interface,
-as the other quantised experts do (quantized_experts.py). `CpuEmbedding` keeps an embedding table in bfloat16 when
-every value of it is a bfloat16 value (a bfloat16 checkpoint's tables: the rows it looks up, widened back, are the
-float32 ones exactly), at half the bytes.
+The int8 products of fbgemm multiply int8 weights by 8-bit inputs. Rounding the input to 8 bits would cost more than
+the weights' rounding (and one outlier of a row would take its range), so `int8_linear` writes each row `x` as
+`m / 63 * (p0 + p1 / 126 + p2 / 126^2)`, `m = max |x|`: `p0 = round(63 x / m)`, `p1` the rounded remainder times
+126, `p2` the next one, whole numbers in [-63, 63]; it multiplies the three rows in one fbgemm call (whose time is the
+weight's bytes, one row or three: 0.49 against 0.43 ms for one row of a `[8192, 2048]` weight on an AMD EPYC) and adds
+the results. The input is rounded by at most `m / (2 * 63 * 126^2)`, `m / 2,000,376`, per value: with a value 300
+times a row's others, the product's error against the rounded weights was 1.2e-5 of its largest output, against
+4.3e-3 for bfloat16 inputs (`_weight_int8pack_mm`). The parts stay in 7 bits so that fbgemm's AVX2 kernel, which adds
+pairs of 8-bit products in 16 bits, cannot saturate (`2 * 127 * 127 < 2^15`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import warnings
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from transformers.activations import ACT2FN
 from transformers.integrations.moe import ExpertsInterface, use_experts_implementation
 
@@ -41,37 +53,138 @@ INT8_ACTIVATIONS = torch.bfloat16
 # 0.95 ms for 1 / 2 / 3 / 4 rows in float16 against 0.50 / 0.75 / ~1.4 / 0.78 ms cast to float32, and 14.0 against
 # 4.8 ms for a 61-row prefill (1 thread; benchmarks/cpu_weight_formats.py --rows 1,2,3,4,61).
 FLOAT16_ROWS = 3
+# fbgemm's int8 product with an input quantised by a given scale and a float32 output: x86 builds of torch (its
+# quantised tensors, which torch deprecates; a torch without them takes `_weight_int8pack_mm`).
+PACKED_INT8 = "fbgemm" in torch.backends.quantized.supported_engines and hasattr(
+    torch.ops.quantized, "linear_with_input_q_dq_qweight_dq_output_fp32")
+# `int8_linear`'s input parts: PARTS rows of whole numbers in [-LEVELS, LEVELS] (module docstring).
+LEVELS = 63
+PARTS = 3
 # Quantised experts are dequantised this many at a time when converted (`CpuExperts.from_experts`): 16 of the real
 # model's experts are 200 MiB in float32, against 3.2 GB for a layer's 256.
 DEQUANTISED_EXPERTS = 16
 
 
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-row int8 of `weight [..., out, in]`: `(q int8 [..., out, in], s [..., out])` in
-    `INT8_ACTIVATIONS`, `weight ~ q * s[..., None]`; an all-zero row gets scale 1 (its codes are 0)."""
+def quantize_rows(weight: torch.Tensor, scale_dtype: torch.dtype = INT8_ACTIVATIONS) -> tuple[torch.Tensor, ...]:
+    """Symmetric per-row int8 of `weight [..., out, in]`: `(q int8 [..., out, in], s [..., out])` in `scale_dtype`,
+    `weight ~ q * s[..., None]`; an all-zero row gets scale 1 (its codes are 0)."""
     wide = weight.detach().float()
     scale = wide.abs().amax(-1) / 127.0
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round(wide / scale[..., None]).clamp_(-127, 127).to(torch.int8)
-    return codes, scale.to(INT8_ACTIVATIONS)
+    return codes, scale.to(scale_dtype)
 
 
-def stored(weight: torch.Tensor, weight_format: str) -> tuple[torch.Tensor, ...]:
-    """The tensors `weight [..., out, in]` is kept as in `weight_format`: `(float16,)` or `(int8 codes, scales)`."""
+def stored(weight: torch.Tensor, weight_format: str, scale_dtype: torch.dtype = INT8_ACTIVATIONS
+           ) -> tuple[torch.Tensor, ...]:
+    """The tensors `weight [..., out, in]` is kept as in `weight_format`: `(float16,)` or `(int8 codes, scales)`,
+    the scales in `scale_dtype`."""
     if weight_format == "float16":
         return (weight.detach().to(torch.float16),)
-    return quantize_rows(weight)
+    return quantize_rows(weight, scale_dtype)
 
 
-def product(x: torch.Tensor, weight: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """`x [..., in]` times the stored weight (`stored`) of one matrix `[out, in]` -> `[..., out]` in `x`'s dtype."""
+def product(x: torch.Tensor, weight: tuple[torch.Tensor, ...], packed: bool = False) -> torch.Tensor:
+    """`x [..., in]` times the stored weight (`stored`) of one matrix `[out, in]` -> `[..., out]` in `x`'s dtype;
+    `packed`: an int8 weight is multiplied by `int8_linear` (its scales in float32)."""
     if len(weight) == 1:
         if x.numel() <= FLOAT16_ROWS * x.shape[-1]:
             return F.linear(x.to(torch.float16), weight[0]).to(x.dtype)
         return F.linear(x, weight[0].to(x.dtype))
     codes, scale = weight
-    flat = x.reshape(-1, x.shape[-1]).to(INT8_ACTIVATIONS)
-    return torch.ops.aten._weight_int8pack_mm(flat, codes, scale).view(*x.shape[:-1], codes.shape[0]).to(x.dtype)
+    flat = x.reshape(-1, x.shape[-1])  # [rows, in]
+    if packed:
+        out = int8_linear(flat.float(), codes, scale)
+    else:
+        out = torch.ops.aten._weight_int8pack_mm(flat.to(INT8_ACTIVATIONS), codes, scale.to(INT8_ACTIVATIONS))
+    return out.view(*x.shape[:-1], codes.shape[0]).to(x.dtype)
+
+
+# fbgemm's packed copies of int8 weights, by the weight's memory: (the codes' and scales' storages, the packed copy).
+# An entry counts while both storages live, so a freed weight's address reused by another is never taken for it.
+_PACKED: dict[tuple, tuple[StorageWeakRef, StorageWeakRef, object]] = {}
+_PACKING = threading.Lock()  # one packing at a time (the engine's threads may meet a new weight together)
+
+
+@contextlib.contextmanager
+def _fbgemm_engine():
+    """torch's quantised engine set to fbgemm (whose packed weights `int8_linear`'s product takes) for a block."""
+    engine = torch.backends.quantized.engine
+    torch.backends.quantized.engine = "fbgemm"
+    try:
+        yield
+    finally:
+        torch.backends.quantized.engine = engine
+
+
+def _kept(key: tuple):
+    """The packed copy `_PACKED` holds for `key`, if both its storages still live; else None."""
+    entry = _PACKED.get(key)
+    return entry[2] if entry is not None and not (entry[0].expired() or entry[1].expired()) else None
+
+
+def packed_weight(codes: torch.Tensor, scale: torch.Tensor):
+    """fbgemm's packed copy of int8 `codes [out, in]` with float32 row scales `scale [out]`, made once per weight
+    (the first call packs it: ~90 ms for 16 M weights) and kept while the weight lives."""
+    key = (codes.data_ptr(), tuple(codes.shape), codes.stride(), scale.data_ptr())
+    if (packed := _kept(key)) is not None:
+        return packed
+    with _PACKING:
+        if (packed := _kept(key)) is not None:
+            return packed
+        for stale in [k for k in _PACKED if _kept(k) is None]:
+            del _PACKED[stale]
+        scales = scale.double()
+        with warnings.catch_warnings(), _fbgemm_engine():
+            # torch deprecates its quantised tensors (PACKED_INT8); this one only carries the codes into fbgemm.
+            warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*deprecated")
+            quantised = torch.quantize_per_channel(codes.float() * scale.float()[:, None], scales,
+                                                   torch.zeros_like(scales, dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(quantised, None)
+        _PACKED[key] = (StorageWeakRef(codes.untyped_storage()), StorageWeakRef(scale.untyped_storage()), packed)
+    return packed
+
+
+def int8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`x [rows, in]` (float32) times int8 `codes [out, in]` with float32 row scales `scale [out]` -> `[rows, out]`
+    float32, through fbgemm with the input split in `PARTS` 7-bit parts (module docstring). The split and the sum are
+    tensor operations a compiled step fuses; the product is one operator (`fbgemm_int8_product`)."""
+    size = x.abs().amax(-1, keepdim=True)  # [rows, 1]
+    size = torch.where(size > 0, size, torch.ones_like(size))
+    rest = x * (LEVELS / size)  # [rows, in], in [-LEVELS, LEVELS]
+    parts = []
+    for _ in range(PARTS - 1):
+        parts.append(rest.round())
+        rest = (rest - parts[-1]) * (2 * LEVELS)  # the remainder, in [-LEVELS, LEVELS]
+    parts.append(rest)  # fbgemm rounds the last part
+    products = torch.ops.transformers_drama3.fbgemm_int8_product(torch.cat(parts), codes, scale).unflatten(
+        0, (PARTS, -1))  # [PARTS, rows, out]
+    out = products[-1]
+    for part in reversed(range(PARTS - 1)):
+        out = products[part] + out / (2 * LEVELS)
+    return out * (size / LEVELS)  # [rows, out]
+
+
+def fbgemm_int8_product(parts: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """`parts [n, in]` (float32 whole numbers in [-LEVELS, LEVELS]) times int8 `codes [out, in]` with float32 row scales
+    `scale [out]` -> `[n, out]` float32, exactly up to the float32 scaling, by fbgemm on the weight's packed copy
+    (`packed_weight`)."""
+    # Input scale 1 and zero point LEVELS + 1: fbgemm's 8-bit values are the parts plus 64, in [1, 127].
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(parts, 1.0, LEVELS + 1,
+                                                                             packed_weight(codes, scale))
+
+
+# `fbgemm_int8_product` as one operator of the package's library, which a compiled step calls as it is (it cannot
+# trace fbgemm's packed weight). Defined with `torch.library.Library` rather than `torch.library.custom_op`: the
+# latter's per-call checks took 15 us against 5 (a trivial body), and a frame of the real width makes ~100 calls.
+_LIBRARY = torch.library.Library("transformers_drama3", "FRAGMENT")
+_LIBRARY.define("fbgemm_int8_product(Tensor parts, Tensor codes, Tensor scale) -> Tensor")
+_LIBRARY.impl("fbgemm_int8_product", fbgemm_int8_product, "CPU")
+
+
+@torch.library.register_fake("transformers_drama3::fbgemm_int8_product", lib=_LIBRARY)
+def _(parts, codes, scale):
+    return parts.new_empty(parts.shape[0], codes.shape[0])
 
 
 def can_convert(linear: nn.Module, weight_format: str) -> bool:
@@ -86,6 +199,9 @@ class CpuLinear(nn.Module):
     """`nn.Linear` with its weight in a `WEIGHT_FORMATS` format: `weight [out, in]` (float16, or int8 with
     `scale [out]`) and the float `bias [out]` if any. Frozen: the CPU path is for inference.
 
+    int8 weights are multiplied through fbgemm (`int8_linear`) where torch has it (`PACKED_INT8`), their scales then
+    kept in float32, and packed when the linear is made (not on the meta device): `packed` says which ran.
+
     `widened` (float16 only): every product widens the weight to the input's dtype first, whatever the rows, so the
     result is the float32 linear's with float16-rounded weights (`product` rounds the input of a few rows to float16
     too). The codec's linears take it: its streamed audio then still equals a one-shot decode's to float32 rounding."""
@@ -95,22 +211,25 @@ class CpuLinear(nn.Module):
         if widened and weight_format != "float16":
             raise ValueError(f"only float16 weights can be widened, not {weight_format}")
         self.in_features, self.out_features, self.weight_format = linear.in_features, linear.out_features, weight_format
-        self.widened = widened
-        tensors = stored(linear.weight, weight_format)
+        self.widened, self.packed = widened, weight_format == "int8" and PACKED_INT8
+        tensors = stored(linear.weight, weight_format, torch.float32 if self.packed else INT8_ACTIVATIONS)
         self.weight = nn.Parameter(tensors[0], requires_grad=False)
         self.scale = nn.Parameter(tensors[1], requires_grad=False) if len(tensors) > 1 else None
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().float(), requires_grad=False)
+        if self.packed and not self.weight.is_meta:
+            packed_weight(self.weight, self.scale)  # at the load, not in the first product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.widened:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        out = product(x, (self.weight,) if self.scale is None else (self.weight, self.scale))
+        out = product(x, (self.weight,) if self.scale is None else (self.weight, self.scale), self.packed)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         widened = ", widened to the input's dtype" if self.widened else ""
+        packed = ", fbgemm products" if self.packed else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.weight_format} "
-                f"weights{widened}")
+                f"weights{widened}{packed}")
 
 
 def exact_in_bfloat16(weight: torch.Tensor) -> bool:
@@ -245,5 +364,6 @@ class CpuExperts(QuantizedExperts):
         return weight if scale is None else weight * scale.to(dtype)[..., None]
 
 
-__all__ = ["CpuEmbedding", "CpuExperts", "CpuLinear", "WEIGHT_FORMATS", "can_convert", "exact_in_bfloat16", "product",
-           "quantize_rows", "stored"]
+__all__ = ["CpuEmbedding", "CpuExperts", "CpuLinear", "PACKED_INT8", "WEIGHT_FORMATS", "can_convert",
+           "exact_in_bfloat16", "fbgemm_int8_product", "int8_linear", "packed_weight", "product", "quantize_rows",
+           "stored"]

@@ -20,6 +20,7 @@ is within twice the largest logit difference measured between the two paths on t
 needs the two logits to move by half the margin each), plus `MARGIN` for the step's float32 reordering.
 """
 
+import numpy
 import pytest
 import torch
 import torch.nn.functional as F
@@ -183,17 +184,24 @@ def test_fbgemm_int8_products_round_their_inputs_far_less_than_bfloat16():
 
 @pytest.mark.skipif(not PACKED_INT8, reason="this torch has no fbgemm: the int8 products are torch's weight-only ones")
 def test_a_packed_weight_is_made_once_and_never_taken_for_a_later_weight_at_its_address():
-    """`packed_weight` keeps one packed copy per weight; once a weight is freed, a new one (here often at the same
-    address: torch's allocator reuses it) gets its own, so its products are its own."""
+    """`packed_weight` keeps one packed copy per weight; once a weight's tensors are freed, a new weight at the same
+    addresses gets its own, so its products are its own. The same addresses for sure: each weight's tensors are made
+    over the same two numpy buffers (torch's allocator does not reliably hand a freed address back)."""
     generator = torch.Generator().manual_seed(3)
     x = torch.randn(2, 64, generator=generator)
+    codes_memory, scale_memory = numpy.empty((32, 64), numpy.int8), numpy.empty(32, numpy.float32)
+    addresses = set()
     for _ in range(3):
-        codes, scale = quantize_rows(torch.randn(32, 64, generator=generator), torch.float32)
+        new_codes, new_scale = quantize_rows(torch.randn(32, 64, generator=generator), torch.float32)
+        codes_memory[...], scale_memory[...] = new_codes.numpy(), new_scale.numpy()
+        codes, scale = torch.from_numpy(codes_memory), torch.from_numpy(scale_memory)
+        addresses.add((codes.data_ptr(), scale.data_ptr()))
         assert packed_weight(codes, scale) is packed_weight(codes, scale)
         rounded = codes.double() * scale.double()[:, None]
         error = (int8_linear(x, codes, scale).double() - x.double() @ rounded.T).abs()
         assert (error <= fbgemm_bound(x.double(), rounded)).all()
         del codes, scale
+    assert len(addresses) == 1
 
 
 @pytest.mark.parametrize("tokens", [1, 3])

@@ -24,6 +24,12 @@ the results. The input is rounded by at most `m / (2 * 63 * 126^2)`, `m / 2,000,
 times a row's others, the product's error against the rounded weights was 1.2e-5 of its largest output, against
 4.3e-3 for bfloat16 inputs (`_weight_int8pack_mm`). The parts stay in 7 bits so that fbgemm's AVX2 kernel, which adds
 pairs of 8-bit products in 16 bits, cannot saturate (`2 * 127 * 127 < 2^15`).
+
+`CpuLinear` replaces an `nn.Linear`; `CpuExperts` replaces the backbone's routed experts (fused `[E, out, in]`
+tensors, or the FP8 experts kept as shipped, dequantised once here) and runs through transformers' experts interface,
+as the other quantised experts do (quantized_experts.py). `CpuEmbedding` keeps an embedding table in bfloat16 when
+every value of it is a bfloat16 value (a bfloat16 checkpoint's tables: the rows it looks up, widened back, are the
+float32 ones exactly), at half the bytes.
 """
 
 from __future__ import annotations
